@@ -1,0 +1,1 @@
+"""Engine build: checkpoints + search results -> a validated engine directory."""

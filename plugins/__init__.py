@@ -1,0 +1,1 @@
+"""Kernels: Triton kernels, launchers, torch ops and plain-PyTorch references."""

@@ -1,0 +1,1 @@
+"""Decode loops: vanilla, speculative methods, batching, sampling, CUDA graphs."""
