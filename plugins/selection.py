@@ -1,0 +1,76 @@
+"""Verification-set selection (paper Eq. 6) and the StreamingLLM set of MagicDec's draft.
+
+Both return int32 [B, budget]: valid cache positions sorted ascending, then -1 padding, the
+`indices` layout sparse_verify_attention takes. Pure torch with fixed shapes (topk, masking,
+sort): no host sync, so they run inside a captured decode round. Checks read only Python ints.
+"""
+
+import torch
+
+__all__ = ["select_verify_indices", "streaming_indices"]
+
+
+def _keep_all(cache_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
+    """[B, budget]: 0 .. L_b - 1 then -1 (the whole context fits in the budget)."""
+    positions = torch.arange(budget, device=cache_seqlens.device, dtype=torch.int32)[None, :]
+    return torch.where(positions < cache_seqlens[:, None], positions, -1)
+
+
+def _check_seqlens(op: str, cache_seqlens: torch.Tensor) -> None:
+    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(f"{op}: cache_seqlens is {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}; "
+                         "expected int32 [B]")
+
+
+def select_verify_indices(s_draft: torch.Tensor, s_target: torch.Tensor, cache_seqlens: torch.Tensor, budget: int,
+                          m: int, n_sink: int = 4, n_recent: int = 16) -> torch.Tensor:
+    """Eq. 6: I_verify = sinks + recent window + TopK(S_draft, m) + TopK(S_target, rest).
+
+    s_draft, s_target: fp32 [B, S_max] importance (srh_score output; entries j >= L_b ignored);
+    cache_seqlens: int32 [B] committed lengths L_b. Sequences with L_b <= budget keep all of
+    [0, L_b). Otherwise: the first n_sink and last n_recent positions of [0, L_b), the m best
+    remaining by s_draft, then the budget - m - n_sink - n_recent best of what is left by s_target.
+    Returns int32 [B, budget], sorted ascending, -1 padded.
+    """
+    op = "select_verify_indices"
+    _check_seqlens(op, cache_seqlens)
+    if min(m, n_sink, n_recent) < 0:
+        raise ValueError(f"{op}: m={m}, n_sink={n_sink}, n_recent={n_recent} must be >= 0")
+    if budget < n_sink + n_recent + m:
+        raise ValueError(f"{op}: budget {budget} is smaller than n_sink + n_recent + m = {n_sink + n_recent + m}; "
+                         "raise the budget or lower m")
+    if s_draft.dim() != 2 or s_draft.shape != s_target.shape or s_draft.shape[0] != cache_seqlens.shape[0]:
+        raise ValueError(f"{op}: s_draft {tuple(s_draft.shape)} and s_target {tuple(s_target.shape)} must both be "
+                         f"[B={cache_seqlens.shape[0]}, S_max]")
+    batch, s_max = s_draft.shape
+    if budget >= s_max:  # every L_b < S_max fits: nothing to choose
+        return _keep_all(cache_seqlens, budget)
+
+    lengths = cache_seqlens.long()[:, None]  # [B, 1]
+    positions = torch.arange(s_max, device=s_draft.device)[None, :]  # [1, S]
+    # When L_b > budget >= n_sink + n_recent the sink and window sets are disjoint and inside [0, L_b).
+    sinks = torch.arange(n_sink, device=s_draft.device)[None, :].expand(batch, n_sink)
+    recent = lengths - n_recent + torch.arange(n_recent, device=s_draft.device)[None, :]  # [B, n_recent]
+    candidate = (positions < lengths) & (positions >= n_sink) & (positions < lengths - n_recent)
+    neg_inf = torch.tensor(float("-inf"), device=s_draft.device)
+    draft = torch.topk(torch.where(candidate, s_draft.float(), neg_inf), m, dim=1).indices  # [B, m]
+    candidate = candidate.scatter(1, draft, False)
+    rest = budget - m - n_sink - n_recent
+    target = torch.topk(torch.where(candidate, s_target.float(), neg_inf), rest, dim=1).indices  # [B, rest]
+    chosen = torch.cat([sinks, recent, draft, target], dim=1).sort(dim=1).values.to(torch.int32)  # [B, budget]
+    return torch.where(cache_seqlens[:, None] > budget, chosen, _keep_all(cache_seqlens, budget))
+
+
+def streaming_indices(cache_seqlens: torch.Tensor, budget: int, n_sink: int = 4) -> torch.Tensor:
+    """StreamingLLM set (MagicDec's draft): the first n_sink and the last budget - n_sink of [0, L_b).
+
+    Returns int32 [B, budget], sorted ascending, -1 padded (all of [0, L_b) when L_b <= budget).
+    """
+    op = "streaming_indices"
+    _check_seqlens(op, cache_seqlens)
+    if not 0 <= n_sink <= budget:
+        raise ValueError(f"{op}: n_sink {n_sink} must lie in [0, budget={budget}]")
+    slots = torch.arange(budget, device=cache_seqlens.device, dtype=torch.int32)[None, :]  # [1, budget]
+    window = cache_seqlens[:, None] - budget + slots  # slot i >= n_sink -> L_b - budget + i
+    chosen = torch.where(slots < n_sink, slots, window)
+    return torch.where(cache_seqlens[:, None] > budget, chosen, _keep_all(cache_seqlens, budget))

@@ -1,0 +1,189 @@
+"""Sparse verification attention (paper Sec. 4.1): attend only to the selected KV entries.
+
+Query token t of sequence b attends to {indices[b, i] : indices[b, i] >= 0} (context positions
+chosen by Eq. 6, unique, in [0, L_b)) plus the new tokens L_b .. L_b + t. The kernel walks a
+virtual key list of K + T items (the K index slots, then the T new tokens), gathers each item's
+K/V row and skips padding (-1); the index order does not matter. GQA sharing and split-KV are
+as in verify_attention: one program serves all T * G rows of a (sequence, KV head) pair.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_attention_inputs, check_out
+from .reference import sparse_verify_attention_ref
+from .split_kv import (
+    LOG2E,
+    NEG_BIG,
+    combine_splits,
+    dot_mode,
+    online_softmax_update,
+    pick_num_splits,
+    runs_triton,
+    tile_dot,
+)
+
+__all__ = ["sparse_verify_attention", "sparse_verify_attention_forward"]
+
+# Sparse chunks are short (k = 512 keys in all): below this, the partial outputs cost more
+# traffic than the extra programs gain.
+MIN_KEYS_PER_SPLIT = 128
+
+
+@triton.jit
+def _sparse_verify_attention_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, indices_ptr, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ib,
+    stride_ob, stride_ot, stride_oh,
+    batch, num_kv_heads, num_indices, num_splits, qk_scale_log2,
+    T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    split = tl.program_id(0)
+    pair = tl.program_id(1)
+    b = pair // num_kv_heads
+    kv_head = pair % num_kv_heads
+    num_heads = num_kv_heads * GROUP
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    t_row = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = t_row < T
+    q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    seqlen = tl.load(seqlens_ptr + b)
+    n_items = num_indices + T
+    chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_items)
+
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    idx_base = indices_ptr + b.to(tl.int64) * stride_ib
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        from_list = offs_n < num_indices
+        new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
+        idx = tl.load(idx_base + offs_n, mask=from_list, other=-1)
+        pos = tl.where(from_list, idx, seqlen + new_token)
+        col_ok = (offs_n < end) & (pos >= 0)
+        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
+        visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+
+    if DIRECT_OUTPUT:
+        out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        lse_off = (b * T + t_row) * num_heads + head
+        tl.store(lse_ptr + lse_off, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    else:
+        rows = batch * T * num_heads
+        row = (b * T + t_row) * num_heads + head
+        part_off = (split * rows + row).to(tl.int64) * HEAD_DIM
+        tl.store(o_part_ptr + part_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_part_ptr + split * rows + row, m_i, mask=row_ok)
+        tl.store(ml_part_ptr + (num_splits + split) * rows + row, l_i, mask=row_ok)
+
+
+def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
+                                    num_splits=None, block_n=64, num_warps=None, num_stages=3):
+    """Launch the sparse verify attention kernel (inputs already validated).
+
+    Launch contract:
+      q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
+      k_cache, v_cache: [B, H_kv, S_max, D] same dtype, last dim contiguous, any other strides
+      cache_seqlens: int32 [B], L_b; positions L_b .. L_b + T - 1 already hold the new tokens
+      indices:       int32 [B, K], last dim contiguous; valid entries unique in [0, L_b), padding -1
+      out:           [B, T, H_q, D] q.dtype, last dim contiguous (written)
+      lse:           fp32 [B, T, H_q] contiguous (written, natural log over the attended set)
+      grid:          (num_splits, B * H_kv); a program owns the [T * G, D] tile of one (b, kv head)
+                     and items [split * chunk, (split + 1) * chunk) of the K + T item list;
+                     num_splits > 1 adds the combine_splits launch.
+    """
+    batch, t, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[1]
+    num_indices = indices.shape[1]
+    group = heads_q // heads_kv
+    if num_splits is None:
+        num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
+    block_m = max(16, triton.next_power_of_2(t * group))
+    if num_warps is None:
+        num_warps = 8 if block_m >= 64 else 4
+    direct = num_splits == 1
+    if direct:
+        o_part = ml_part = out  # unused
+    else:
+        o_part = torch.empty(num_splits, batch, t, heads_q, head_dim, device=q.device, dtype=torch.float32)
+        ml_part = torch.empty(2, num_splits, batch, t, heads_q, device=q.device, dtype=torch.float32)
+    _sparse_verify_attention_kernel[(num_splits, batch * heads_kv)](
+        q, k_cache, v_cache, cache_seqlens, indices, out, lse, o_part, ml_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        indices.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
+        T=t, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        combine_splits(o_part, ml_part, out, lse)
+
+
+@torch.library.custom_op("trtllm_dustin::sparse_verify_attention", mutates_args=("out",))
+def _sparse_verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cache_seqlens: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                                out: torch.Tensor) -> None:
+    if runs_triton(q):
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse)
+    else:
+        out.copy_(sparse_verify_attention_ref(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale))
+
+
+@_sparse_verify_attention_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out) -> None:
+    return None
+
+
+def sparse_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, indices: torch.Tensor, *,
+                            softmax_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of T new tokens over the selected cache entries plus the new tokens (causal).
+
+    q [B, T, H_q, D]; k_cache, v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B];
+    indices int32 [B, K]: valid entries unique in [0, L_b) in any order, padding -1 (skipped).
+    Returns out [B, T, H_q, D] in q.dtype.
+    """
+    check_attention_inputs("sparse_verify_attention", q, k_cache, v_cache, cache_seqlens)
+    batch, t, heads_q, head_dim = q.shape
+    if indices.dim() != 2 or indices.shape[0] != batch or indices.dtype != torch.int32:
+        raise ValueError(f"sparse_verify_attention: indices is {indices.dtype} {tuple(indices.shape)}; "
+                         f"expected int32 [{batch}, K] (pad unused slots with -1)")
+    if indices.device != q.device:
+        raise ValueError(f"sparse_verify_attention: indices is on {indices.device} but q is on {q.device}")
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_out("sparse_verify_attention", out, q.shape, q.dtype, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    _sparse_verify_attention_op(q, k_cache, v_cache, cache_seqlens, indices, float(scale), out)
+    return out

@@ -1,0 +1,145 @@
+"""Split-KV (flash-decoding) plumbing shared by the two attention ops.
+
+A decode/verify step has only B * H_kv (sequence, KV head) pairs, too few to fill 132 SMs at
+batch 8-16, so each pair's keys are cut into `num_splits` chunks, every chunk writes an
+unnormalised partial output plus its running max and denominator, and `combine_splits` merges
+them with the usual log-sum-exp rescaling. Everything is in base 2 inside the kernels
+(`exp2` is one instruction); the log-sum-exp handed back to callers is natural log.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "LOG2E",
+    "NEG_BIG",
+    "combine_splits",
+    "dot_mode",
+    "num_sms",
+    "online_softmax_update",
+    "pick_num_splits",
+    "runs_triton",
+    "tile_dot",
+]
+
+LOG2E = 1.4426950408889634
+# Running-max start value: finite so that a row whose keys are all masked in a chunk gives
+# alpha = exp2(0) = 1 and p = exp2(-inf) = 0 instead of NaN from (-inf) - (-inf).
+NEG_BIG = tl.constexpr(-1.0e30)
+# Programs per SM a split-KV launch aims at: enough that the tail of the last wave is small.
+WAVES_PER_SM = 4
+MAX_SPLITS = 64
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, and on CPU tensors when the Triton interpreter is on (CI)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device; a small stand-in on the CPU so interpreter runs stay cheap."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_num_splits(pairs: int, max_keys: int, min_keys_per_split: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) pair from host-known sizes only (no host sync).
+
+    pairs: B * H_kv programs per split; max_keys: static upper bound on the keys one pair visits;
+    min_keys_per_split: below this a chunk is too short to hide the partial-output traffic.
+    """
+    wanted = triton.cdiv(WAVES_PER_SM * num_sms(device), pairs)
+    by_length = triton.cdiv(max_keys, min_keys_per_split)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def dot_mode(dtype: torch.dtype) -> str:
+    """How tile_dot multiplies: fp32 inputs (tests) get exact fp32 products ("ieee"); 16-bit
+    inputs use the tensor cores ("tf32" is ignored for them). Triton 3.9's interpreter computes
+    bf16 dots wrongly, so there the operands are upcast to fp32 first ("upcast")."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "upcast"
+    return "tf32"
+
+
+@triton.jit
+def tile_dot(a, b, DOT_MODE: tl.constexpr):
+    """tl.dot with fp32 accumulation, in the mode dot_mode() picked for the operand dtype."""
+    if DOT_MODE == "upcast":
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=DOT_MODE)
+    return c
+
+
+@triton.jit
+def online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE: tl.constexpr):
+    """One key block of the online softmax. scores: [M, N] fp32 in log2 units, masked to -inf;
+    m_i, l_i: [M] running max and denominator; acc: [M, D] fp32; v: [N, D] in the cache dtype."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_MODE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _combine_splits_kernel(
+    o_part_ptr, ml_part_ptr, out_ptr, lse_ptr,
+    stride_ob, stride_ot, stride_oh,
+    rows, num_splits,
+    T: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per output row (b, t, h): merge its num_splits partials."""
+    row = tl.program_id(0)
+    h = row % NUM_HEADS
+    t = (row // NUM_HEADS) % T
+    b = row // (NUM_HEADS * T)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    m = tl.load(ml_part_ptr + offs_s * rows + row, mask=split_ok, other=float("-inf"))
+    denoms = tl.load(ml_part_ptr + (num_splits + offs_s) * rows + row, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * denoms, 0)
+    part_rows = (offs_s.to(tl.int64) * rows + row) * HEAD_DIM
+    o = tl.load(o_part_ptr + part_rows[:, None] + offs_d[None, :], mask=split_ok[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o, 0) / denom
+    out_off = b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+    tl.store(out_ptr + out_off + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453)
+
+
+def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge split-KV partials into `out` and `lse`.
+
+    Launch contract:
+      o_part:  fp32 [S, B, T, H, D] contiguous, unnormalised sum_j 2^(s_j - m) v_j per split
+      ml_part: fp32 [2, S, B, T, H] contiguous: running max m (log2 units) and denominator l
+      out:     [B, T, H, D] any float dtype, last dim contiguous (written)
+      lse:     fp32 [B, T, H] contiguous, natural-log softmax denominator (written)
+      grid:    (B * T * H,), one program per output row
+    """
+    num_splits, batch, t, heads, head_dim = o_part.shape
+    rows = batch * t * heads
+    _combine_splits_kernel[(rows,)](
+        o_part, ml_part, out, lse,
+        out.stride(0), out.stride(1), out.stride(2),
+        rows, num_splits,
+        T=t, NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4,
+    )
