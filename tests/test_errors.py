@@ -1,0 +1,94 @@
+"""Bad input gets a clear error that names the value and the fix, raised before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_hf_model
+
+from trtllm_dustin.cli import main
+from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
+from trtllm_dustin.models import ModelLoadError, get_preset, load_model
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path, max_shard_size="200KB")
+    return tmp_path
+
+
+def test_unknown_architecture(checkpoint) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="'gpt2' is not supported"):
+        load_model(str(checkpoint))
+
+
+def test_missing_shard(checkpoint) -> None:
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(str(checkpoint))
+
+
+def test_corrupt_shard(checkpoint) -> None:
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_model(str(checkpoint))
+
+
+def test_shape_mismatch_names_the_tensor(checkpoint) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="mlp.gate_proj.weight has shape"):
+        load_model(str(checkpoint))
+
+
+def test_no_weights(tmp_path) -> None:
+    tiny_hf_model("qwen2").config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_preset_and_path() -> None:
+    with pytest.raises(ValueError, match="preset 'nope' is unknown"):
+        load_model("preset:nope")
+    with pytest.raises(ModelLoadError, match="neither a preset"):
+        load_model("/no/such/model")
+
+
+def test_cache_that_does_not_fit_is_refused_before_allocating() -> None:
+    config = get_preset("llama-3.3-70b")
+    with pytest.raises(MemoryPlanError, match="lower --batch-size or --max-seq-len"):
+        KVCache.allocate(config, 1024, 131072, torch.bfloat16, "cpu")
+
+
+def test_weights_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(MemoryPlanError, match="weights of qwen2.5-72b"):
+        load_model("preset:qwen2.5-72b", dtype=torch.float32)
+
+
+def test_bad_config_values() -> None:
+    with pytest.raises(ConfigError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        ModelConfig(num_heads=6, num_kv_heads=4)
+
+
+def test_cli_prompt_longer_than_max_seq_len(capsys) -> None:
+    code = main(["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "40", "--max-seq-len", "32",
+                 "--max-new-tokens", "4"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--max-seq-len 32 is smaller than prompt 0 (40 tokens)" in err and "raise --max-seq-len" in err
+
+
+def test_cli_text_prompt_without_tokenizer(capsys) -> None:
+    assert main(["generate", "--model", "preset:tiny-llama", "--prompt", "hello"]) == 2
+    assert "--prompt-tokens" in capsys.readouterr().err
