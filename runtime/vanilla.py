@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from trtllm_dustin.runtime.cuda_graph import CapturedStep
+from trtllm_dustin.runtime.sampling import SamplingParams, sample
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.runtime.cuda_graph import CapturedStep
-from trtllm_dustin.runtime.sampling import SamplingParams, sample
 
 __all__ = ["GenerationConfig", "GenerationResult", "VanillaDecoder", "check_request"]
 

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                      help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
-    gen.add_argument("--backend", default="reference", help="attention backend")
+    gen.add_argument("--backend", choices=["reference", "triton"], default=None,
+                     help="attention backend (default: triton on cuda, reference on cpu)")
     gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
     gen.set_defaults(func=_generate)
     return parser
@@ -85,7 +86,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
                          "lower it")
     cache = KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device)
-    decoder = VanillaDecoder(loaded.model, cache, get_backend(args.backend), use_cuda_graph=not args.no_cuda_graph)
+    backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"))
+    decoder = VanillaDecoder(loaded.model, cache, backend, use_cuda_graph=not args.no_cuda_graph)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
     result = decoder.generate([prompt] * args.batch_size, gen_config)

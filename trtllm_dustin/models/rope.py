@@ -49,7 +49,7 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 
 
 def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Per-pair rotary frequencies [head_dim // 2] (float32, computed as the reference checkpoints do) and the cos/sin multiplier."""
+    """Per-pair rotary frequencies [head_dim // 2] (float32, as the checkpoints compute them) and the cos/sin factor."""
     dim, base, s = config.head_dim, config.rope_theta, config.rope_scaling
     if s.rope_type == "yarn":
         return _yarn(dim, base, s)

@@ -1,0 +1,58 @@
+"""What every benchmark result file carries: the command, the GPU, the git SHA, the date, the ceilings."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["COPY_BANDWIDTH", "RESULTS", "environment", "git_sha", "save_json", "time_cuda"]
+
+COPY_BANDWIDTH = 4.26e12  # bytes/s, device-to-device copy measured on the project's H200 (shared/GPU.md)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    return {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)",
+        "git_sha": git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "copy_bandwidth_bytes_per_s": COPY_BANDWIDTH,
+    }
+
+
+def save_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def time_cuda(fn, iters: int = 50, warmup: int = 5) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn, timed with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

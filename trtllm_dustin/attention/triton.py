@@ -1,0 +1,35 @@
+"""Attention backend over the Triton kernels of `trtllm_dustin.plugins` (decode and verification steps).
+
+Steps of up to MAX_KERNEL_TOKENS new tokens per sequence (decode, verification of Γ+1 tokens) run the
+split-KV kernels; longer forwards (prompt prefill) go to the PyTorch reference, which is compute-bound
+there anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trtllm_dustin.attention.interface import AttentionBackend, AttentionMetadata
+from trtllm_dustin.attention.reference import ReferenceAttention
+
+__all__ = ["MAX_KERNEL_TOKENS", "TritonAttention"]
+
+MAX_KERNEL_TOKENS = 16
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from trtllm_dustin import plugins  # imported here: Triton must be importable only when this backend is used
+
+        self._ops = plugins
+        self._fallback = ReferenceAttention()
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        if q.shape[1] > MAX_KERNEL_TOKENS:
+            return self._fallback.attend(q, k_cache, v_cache, meta)
+        if meta.sparse:
+            return self._ops.sparse_verify_attention(q, k_cache, v_cache, meta.cache_seqlens, meta.indices)
+        return self._ops.verify_attention(q, k_cache, v_cache, meta.cache_seqlens)
