@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from trtllm_dustin.runtime.cuda_graph import CapturedStep
+from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.sampling import SamplingParams, sample
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
@@ -83,36 +84,9 @@ class VanillaDecoder:
         self._step: CapturedStep | None = None
         self._decode_meta = AttentionMetadata(cache_seqlens=cache.seqlens)
 
-    @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], chunk: int = 2048) -> torch.Tensor:
         """Write the prompts' K/V into slots 0..B-1 and return the last prompt token's logits [B, V]."""
-        B = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
-        longest = max(len(p) for p in prompts)
-        tokens = torch.zeros(B, longest, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        seqlens = self.cache.seqlens[:B]
-        seqlens.zero_()
-        last_logits = torch.empty(B, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-        # All prompts start at position 0 and advance together chunk by chunk; a shorter prompt's padding
-        # writes K/V past its length, which nothing reads and decoding overwrites.
-        for start in range(0, longest, chunk):
-            end = min(start + chunk, longest)
-            meta = AttentionMetadata(cache_seqlens=seqlens, max_kv_len=end)
-            in_chunk = (lens - 1 - start).clamp(0, end - start - 1)  # [B]: each prompt's last token in this chunk
-            logits = self.model(tokens[:, start:end], self._view(B), meta, self.backend, logit_index=in_chunk)
-            ends_here = ((lens - 1) >= start) & ((lens - 1) < end)
-            last_logits = torch.where(ends_here[:, None], logits, last_logits)
-            seqlens.add_(end - start)
-        seqlens.copy_(lens)
-        return last_logits
-
-    def _view(self, batch: int) -> KVCache:
-        """The cache restricted to the first `batch` slots (a view: writes land in the shared buffers)."""
-        if batch == self.cache.batch_slots:
-            return self.cache
-        return KVCache(self.cache.k[:, :batch], self.cache.v[:, :batch], self.cache.seqlens[:batch])
+        return prefill(self.model, self.cache, self.backend, prompts, chunk)[0]
 
     def _forward_step(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, self.cache, self._decode_meta, self.backend)[:, 0]  # [B, V]

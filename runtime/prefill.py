@@ -1,0 +1,67 @@
+"""Chunked prefill of ragged prompts into slots 0..B-1 of a static cache.
+
+All prompts start at position 0 and advance together chunk by chunk, so activation memory is bounded
+by the chunk; a shorter prompt's padding writes K/V past its length, which nothing reads and decoding
+overwrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
+
+__all__ = ["prefill", "slot_view"]
+
+
+def slot_view(cache: KVCache, batch: int) -> KVCache:
+    """The cache restricted to its first `batch` slots (views: writes land in the shared buffers)."""
+    if batch == cache.batch_slots:
+        return cache
+    return KVCache(cache.k[:, :batch], cache.v[:, :batch], cache.seqlens[:batch])
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, prompts: Sequence[Sequence[int]],
+            chunk: int = 2048, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Write the prompts' K/V, set seqlens to the prompt lengths, return the last token's logits [B, V].
+
+    For each layer in `capture_layers` also return the last prompt token's rotated queries [B, H_q, D]
+    (Dustin's first target-history signal, paper Sec. 4.2.3).
+    """
+    device = cache.seqlens.device
+    B = len(prompts)
+    config = model.config
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(B, longest, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    view = slot_view(cache, B)
+    view.seqlens.zero_()
+    last_logits = torch.zeros(B, config.vocab_size, dtype=torch.float32, device=device)
+    last_queries = {layer: torch.zeros(B, config.num_heads, config.head_dim, dtype=cache.k.dtype, device=device)
+                    for layer in capture_layers}
+    for start in range(0, longest, chunk):
+        end = min(start + chunk, longest)
+        meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=end)
+        in_chunk = (lens - 1 - start).clamp(0, end - start - 1)  # [B]: each prompt's last token in this chunk
+        capture = None
+        if capture_layers:
+            capture = QueryCapture(tuple(capture_layers), {
+                layer: torch.empty(B, end - start, config.num_heads, config.head_dim, dtype=cache.k.dtype,
+                                   device=device) for layer in capture_layers})
+        logits = model(tokens[:, start:end], view, meta, backend, logit_index=in_chunk, capture=capture)
+        ends_here = ((lens - 1) >= start) & ((lens - 1) < end)  # [B]
+        last_logits = torch.where(ends_here[:, None], logits, last_logits)
+        if capture is not None:
+            rows = torch.arange(B, device=device)
+            for layer, q in capture.queries.items():
+                last_queries[layer] = torch.where(ends_here[:, None, None], q[rows, in_chunk], last_queries[layer])
+        view.seqlens.add_(end - start)
+    view.seqlens.copy_(lens)
+    return last_logits, last_queries
