@@ -4,6 +4,7 @@ exact, output sorted, unique, -1 padded; short contexts keep everything."""
 
 import pytest
 import torch
+
 from trtllm_dustin.plugins import select_verify_indices, streaming_indices
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

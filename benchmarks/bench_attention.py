@@ -1,0 +1,351 @@
+"""Attention kernels on the paper's shapes: full-cache vs sparse (k = 512) verification vs torch
+SDPA, and the SRH estimator's cost as a fraction of full verification attention over all layers.
+
+    python benchmarks/bench_attention.py [--sweep] [--out benchmarks/results/attention_h200.json]
+
+Timing: our ops inside a captured CUDA graph (several calls per graph, replays timed one by one
+with CUDA events, median, warm-up replays excluded); SDPA eagerly with CUDA events (it runs for
+milliseconds, so launch overhead does not matter). Sparse calls rotate over 8 (q, indices) sets,
+so the ~35 MB one call gathers is not served from the 60 MB L2; every full-cache case reads
+more than twice the L2. Bandwidth counts bytes the kernel must read (K and V rows it attends to,
+q and the indices) against the measured 4.26 TB/s device copy ceiling.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
+from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+from trtllm_dustin.plugins.verify_attention import verify_attention_forward
+
+COPY_CEILING_TBS = 4.26  # measured device-to-device copy, bytes read + written (shared/GPU.md)
+SPARSE_ROTATION = 8
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    layers: int
+
+
+@dataclass(frozen=True)
+class EstimatorPair:
+    """Paper App. A: 1 target layer x 4 SRHs x 1 query, 3 draft layers x 4 SRHs x gamma queries."""
+    target: str
+    draft: AttentionShape
+    gamma: int
+    target_layers_scored: int = 1
+    draft_layers_scored: int = 3
+    heads_scored: int = 4
+
+
+TARGETS = {
+    "Llama-3.1-8B": AttentionShape("Llama-3.1-8B", 32, 8, 128, 32),
+    "Qwen2.5-7B": AttentionShape("Qwen2.5-7B", 28, 4, 128, 28),
+    "Qwen2.5-72B": AttentionShape("Qwen2.5-72B", 64, 8, 128, 80),
+}
+PAIRS = [
+    EstimatorPair("Qwen2.5-72B", AttentionShape("Qwen2.5-0.5B", 14, 2, 64, 24), gamma=4),
+    EstimatorPair("Llama-3.1-8B", AttentionShape("Llama-3.2-1B", 32, 8, 64, 16), gamma=3),
+]
+
+
+def spread_heads(shape: AttentionShape, n: int) -> tuple[int, ...]:
+    """n query heads on as many distinct KV heads as possible: the most K bytes to read."""
+    group = shape.heads_q // shape.heads_kv
+    heads = [(i % shape.heads_kv) * group + i // shape.heads_kv for i in range(n)]
+    return tuple(heads)
+
+
+def graph_ms(calls, replays: int, warmup: int = 3) -> float:
+    """Median time of one call: all `calls` captured in one CUDA graph, each replay timed."""
+    for call in calls:  # compile and allocate outside capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def events_ms(call, replays: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def tbs(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def random_indices(batch: int, length: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted distinct positions of [0, length) per sequence, as selection produces them."""
+    scores = torch.rand(batch, length, generator=generator, device="cuda")
+    return scores.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int32)
+
+
+def sdpa_call(q, k_cache, v_cache, length, t):
+    """torch SDPA on the same problem: [B, H, T, D] queries over the first L + T cache rows."""
+    q_sdpa = q.transpose(1, 2)
+    keys, values = k_cache[:, :, : length + t], v_cache[:, :, : length + t]
+    positions = torch.arange(length + t, device="cuda")
+    mask = positions[None, :] <= length + torch.arange(t, device="cuda")[:, None]  # [T, L + T]
+    return lambda: F.scaled_dot_product_attention(q_sdpa, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def bench_case(shape, batch, length, t, k, k_cache, v_cache, generator, replays):
+    """One row: full verify, sparse verify (k), SDPA, for one target shape / batch / length / T."""
+    dtype, d = k_cache.dtype, shape.head_dim
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, t, shape.heads_q, d, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    full_ms = graph_ms([lambda: verify_attention(q, k_cache, v_cache, seqlens, out=out)] * 4, replays)
+    elem = k_cache.element_size()
+    full_bytes = 2 * batch * shape.heads_kv * (length + t) * d * elem + 2 * q.numel() * elem
+    ours = out.clone()
+
+    qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
+    index_sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
+    outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
+    sparse_calls = [
+        (lambda qi=qi, ii=ii, oi=oi: sparse_verify_attention(qi, k_cache, v_cache, seqlens, ii, out=oi))
+        for qi, ii, oi in zip(qs, index_sets, outs, strict=True)
+    ]
+    sparse_ms = graph_ms(sparse_calls, replays * 2)
+    sparse_bytes = 2 * batch * shape.heads_kv * (k + t) * d * elem + 2 * q.numel() * elem + batch * k * 4
+
+    row = {
+        "model": shape.name, "heads_q": shape.heads_q, "heads_kv": shape.heads_kv, "head_dim": d,
+        "batch": batch, "context": length, "tokens": t, "k": k,
+        "full_ms": full_ms, "full_gb": full_bytes / 1e9, "full_tbs": tbs(full_bytes, full_ms),
+        "full_frac_of_copy_ceiling": tbs(full_bytes, full_ms) / COPY_CEILING_TBS,
+        "full_floor_ms": full_bytes / (COPY_CEILING_TBS * 1e12) * 1e3,
+        "sparse_ms": sparse_ms, "sparse_tbs": tbs(sparse_bytes, sparse_ms),
+        "sparse_frac_of_copy_ceiling": tbs(sparse_bytes, sparse_ms) / COPY_CEILING_TBS,
+        "sparse_speedup_vs_full": full_ms / sparse_ms,
+    }
+    try:
+        sdpa = sdpa_call(q, k_cache, v_cache, length, t)
+        reference = sdpa().transpose(1, 2)
+        row["full_vs_sdpa_rel_err"] = ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
+        row["sdpa_ms"] = events_ms(sdpa, max(5, replays // 2))
+        row["full_speedup_vs_sdpa"] = row["sdpa_ms"] / full_ms
+        del reference
+    except torch.OutOfMemoryError:
+        row["sdpa_ms"] = None
+        row["sdpa_error"] = "out of memory"
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_estimator(pair, batch, length, target_cache, full_ms, generator, replays):
+    """SRH estimator (Eq. 5 on SRHs) vs full verification attention summed over all target layers."""
+    target = TARGETS[pair.target]
+    draft = pair.draft
+    dtype = target_cache.dtype
+    s_max = target_cache.shape[2]
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    target_heads = spread_heads(target, pair.heads_scored)
+    draft_heads = spread_heads(draft, pair.heads_scored)
+    q_target = torch.randn(batch, 1, target.heads_q, target.head_dim, device="cuda", dtype=dtype)
+    draft_layers = []
+    for _ in range(pair.draft_layers_scored):
+        k_draft = torch.randn(batch, draft.heads_kv, s_max, draft.head_dim, device="cuda", dtype=dtype)
+        q_draft = torch.randn(batch, pair.gamma, draft.heads_q, draft.head_dim, device="cuda", dtype=dtype)
+        # lse from drafting: the draft's attention over [0, L + t] for each of its gamma queries
+        _, lse = verify_attention(q_draft, k_draft, k_draft, seqlens, return_lse=True)
+        draft_layers.append((q_draft, k_draft, lse))
+    s_target = torch.empty(batch, s_max, device="cuda")
+    s_draft = torch.empty(batch, s_max, device="cuda")
+    _, lse_target = verify_attention(q_target, target_cache, target_cache, seqlens, return_lse=True)
+
+    def target_two_pass():
+        srh_score(q_target, target_cache, seqlens, target_heads, out=s_target)
+
+    def target_one_pass():
+        srh_score(q_target, target_cache, seqlens, target_heads, lse=lse_target, out=s_target)
+
+    def draft_scores():
+        for i, (q_draft, k_draft, lse) in enumerate(draft_layers):
+            srh_score(q_draft, k_draft, seqlens, draft_heads, lse=lse, out=s_draft, accumulate=i > 0)
+
+    target_two_ms = graph_ms([target_two_pass], replays)
+    target_one_ms = graph_ms([target_one_pass], replays)
+    draft_ms = graph_ms([draft_scores], replays)
+    estimator_ms = graph_ms([lambda: (target_two_pass(), draft_scores())], replays)
+    full_all_layers_ms = target.layers * full_ms
+    return {
+        "target": pair.target, "draft": draft.name, "gamma": pair.gamma, "batch": batch, "context": length,
+        "target_heads": list(target_heads), "draft_heads": list(draft_heads),
+        "target_score_two_pass_ms": target_two_ms, "target_score_one_pass_ms": target_one_ms,
+        "draft_scores_3_layers_ms": draft_ms, "estimator_ms": estimator_ms,
+        "full_verify_per_layer_ms": full_ms, "full_verify_all_layers_ms": full_all_layers_ms,
+        "estimator_frac_of_full_verify": estimator_ms / full_all_layers_ms,
+    }
+
+
+def sweep_shape(shape, t, sparse, generator, batch=16, length=32768, k=512):
+    """Time a grid of launch parameters (splits, block_n, warps, stages) on one shape."""
+    k_cache = torch.randn(batch, shape.heads_kv, length + 16, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, t, shape.heads_q, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    scale = 1 / math.sqrt(shape.head_dim)
+    index_sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
+    # num_splits is a runtime argument: only block_n, warps and stages cost a compile.
+    if sparse:
+        grid = [(s, n, w, st) for s in (1, 2, 3, 4, 8) for n in (32, 64) for w in (4, 8) for st in (2, 3)]
+    else:
+        grid = [(s, n, w, st) for s in (None, 2, 4, 8, 16, 32, 64) for n in (64, 128) for w in (4, 8)
+                for st in (2, 3, 4)]
+    rows = []
+    for splits, block_n, warps, stages in grid:
+        kwargs = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        if sparse:
+            calls = [(lambda ii=ii, kw=kwargs: sparse_verify_attention_forward(
+                q, k_cache, v_cache, seqlens, ii, scale, out, lse, **kw)) for ii in index_sets]
+        else:
+            calls = [lambda kw=kwargs: verify_attention_forward(
+                q, k_cache, v_cache, seqlens, scale, out, lse, **kw)] * 2
+        try:
+            ms = graph_ms(calls, 10)
+        except Exception as error:  # an infeasible config (e.g. out of shared memory) is recorded, not fatal
+            rows.append({"model": shape.name, "sparse": sparse, "tokens": t, **kwargs, "error": str(error)[:200]})
+            continue
+        rows.append({"model": shape.name, "sparse": sparse, "tokens": t, **kwargs, "ms": ms})
+        print(f"sweep {shape.name:13s} sparse={sparse!s:5s} splits={splits!s:4s} block_n={block_n:3d} "
+              f"warps={warps} stages={stages}: {ms * 1e3:8.1f} us", flush=True)
+    return rows
+
+
+def sweep(generator):
+    """Launch-parameter grids on the acceptance shapes (kept in the results for the record)."""
+    rows = []
+    for name, t, sparse in (("Llama-3.1-8B", 4, False), ("Qwen2.5-72B", 5, True), ("Qwen2.5-72B", 5, False)):
+        rows += sweep_shape(TARGETS[name], t, sparse, generator)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def git_sha() -> str:
+    if os.environ.get("GIT_SHA"):
+        return os.environ["GIT_SHA"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_tables(rows, estimators):
+    print(f"\n{'model':13s} {'B':>3s} {'L':>6s} {'T':>2s} | {'full ms':>8s} {'TB/s':>5s} {'%ceil':>5s} | "
+          f"{'sparse us':>9s} {'TB/s':>5s} {'speedup':>7s} | {'sdpa ms':>8s} {'x sdpa':>6s}")
+    for r in rows:
+        sdpa = f"{r['sdpa_ms']:8.3f} {r['full_speedup_vs_sdpa']:6.2f}" if r.get("sdpa_ms") else f"{'oom':>8s} {'':6s}"
+        print(f"{r['model']:13s} {r['batch']:3d} {r['context']:6d} {r['tokens']:2d} | {r['full_ms']:8.3f} "
+              f"{r['full_tbs']:5.2f} {100 * r['full_frac_of_copy_ceiling']:5.1f} | {r['sparse_ms'] * 1e3:9.1f} "
+              f"{r['sparse_tbs']:5.2f} {r['sparse_speedup_vs_full']:7.1f} | {sdpa}")
+    print(f"\n{'target + draft':28s} {'B':>3s} {'L':>6s} | {'estimator us':>12s} {'all-layer full ms':>17s} "
+          f"{'fraction':>8s}")
+    for e in estimators:
+        print(f"{e['target'] + ' + ' + e['draft']:28s} {e['batch']:3d} {e['context']:6d} | "
+              f"{e['estimator_ms'] * 1e3:12.1f} {e['full_verify_all_layers_ms']:17.2f} "
+              f"{100 * e['estimator_frac_of_full_verify']:7.3f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[8, 16])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[4, 5])
+    parser.add_argument("--k", type=int, default=512, help="sparse verification budget")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch parameters")
+    parser.add_argument("--out", default="benchmarks/results/attention_h200.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention: needs a CUDA device (run it on the H200 machine)")
+    torch.manual_seed(0)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sweep_rows = sweep(generator) if args.sweep else []
+
+    rows, estimators = [], []
+    for name in args.models:
+        shape = TARGETS[name]
+        for batch in args.batches:
+            for length in args.contexts:
+                s_max = length + 16
+                k_cache = torch.randn(batch, shape.heads_kv, s_max, shape.head_dim, device="cuda",
+                                      dtype=torch.bfloat16)
+                v_cache = torch.randn_like(k_cache)
+                full_by_t = {}
+                for t in args.tokens:
+                    row = bench_case(shape, batch, length, t, args.k, k_cache, v_cache, generator, args.replays)
+                    rows.append(row)
+                    full_by_t[t] = row["full_ms"]
+                    print(json.dumps(row), flush=True)
+                for pair in PAIRS:
+                    if pair.target == name and pair.gamma + 1 in full_by_t:
+                        est = bench_estimator(pair, batch, length, k_cache, full_by_t[pair.gamma + 1], generator,
+                                              args.replays)
+                        estimators.append(est)
+                        print(json.dumps(est), flush=True)
+                del k_cache, v_cache
+                torch.cuda.empty_cache()
+
+    result = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "git_sha": git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "copy_ceiling_tbs": COPY_CEILING_TBS,
+        "timing": "our ops: CUDA-graph replay, median over replays of (graph time / calls in graph); "
+                  "sparse rotates 8 (q, indices) sets; SDPA: eager, CUDA events, median",
+        "pairs": [asdict(p) for p in PAIRS],
+        "rows": rows, "estimator": estimators, "sweep": sweep_rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print_tables(rows, estimators)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
