@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from trtllm_dustin.runtime.cuda_graph import CapturedStep
-from trtllm_dustin.runtime.prefill import prefill
-from trtllm_dustin.runtime.sampling import SamplingParams, sample
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.runtime.cuda_graph import CapturedStep
+from trtllm_dustin.runtime.prefill import prefill
+from trtllm_dustin.runtime.sampling import SamplingParams, sample
 
 __all__ = ["GenerationConfig", "GenerationResult", "VanillaDecoder", "check_request"]
 
@@ -101,9 +101,13 @@ class VanillaDecoder:
         return self._step(tokens)
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationResult:
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, profile: bool = False
+                 ) -> GenerationResult:
+        """Decode every prompt to EOS or max_new_tokens. (`profile` is accepted for a uniform interface:
+        a vanilla step has one phase.)"""
         check_request(prompts, self.cache, config.max_new_tokens)
         B, slots = len(prompts), self.cache.batch_slots
+        self.cache.seqlens.zero_()  # idle slots decode along at position 0
         generator = torch.Generator(device=self.device).manual_seed(config.sampling.seed)
         eos = torch.tensor(config.eos_token_ids or (-1,), device=self.device)
 

@@ -10,10 +10,13 @@ import torch
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
+from trtllm_dustin.runtime.speculative import SpeculativeResult
+from trtllm_dustin.runtime.vanilla import GenerationConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -24,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with vanilla batched decoding")
+    gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)")
     gen.add_argument("--model", default=None,
                      help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
     prompt = gen.add_mutually_exclusive_group()
@@ -45,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", choices=["reference", "triton"], default=None,
                      help="attention backend (default: triton on cuda, reference on cpu)")
     gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
+    gen.add_argument("--method", choices=list(METHODS), default="vanilla", help="decoding method")
+    gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model)")
+    gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
+    gen.add_argument("--dustin-config", type=Path, default=None,
+                     help="Dustin estimator config (JSON written by `trtllm-dustin search`)")
+    gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.set_defaults(func=_generate)
     return parser
 
@@ -85,12 +95,27 @@ def _generate(args: argparse.Namespace) -> int:
     if max_seq_len > loaded.model.max_positions:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
                          "lower it")
-    cache = KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device)
+    speculative = args.method != "vanilla"
+    if speculative:
+        max_seq_len = max(max_seq_len, len(prompt) + args.max_new_tokens + args.gamma)
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    if args.method.startswith("dustin") and dustin is None:
+        raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
+                          "this target/draft pair with `trtllm-dustin search`")
+    if speculative and args.draft is None:
+        raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
+    draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1).model if speculative else None
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"))
-    decoder = VanillaDecoder(loaded.model, cache, backend, use_cuda_graph=not args.no_cuda_graph)
+    decoder = build_decoder(args.method, MethodSetup(
+        target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),
+        backend=backend, draft=draft,
+        draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len, dtype, device) if draft else None,
+        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, use_cuda_graph=not args.no_cuda_graph))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
-    result = decoder.generate([prompt] * args.batch_size, gen_config)
+    prompts = [prompt] * args.batch_size
+    result = decoder.generate(prompts, gen_config, profile=True) if args.profile else decoder.generate(
+        prompts, gen_config)
     for i, ids in enumerate(result.tokens):
         text = loaded.tokenizer.decode(ids, skip_special_tokens=True) if loaded.tokenizer else str(ids)
         print(f"[{i}] {text}")
@@ -98,6 +123,11 @@ def _generate(args: argparse.Namespace) -> int:
           f"prompt {len(prompt)} tokens, generated {result.generated} tokens")
     print(f"prefill {result.prefill_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
           f"({result.decode_steps} steps in {result.decode_ms:.1f} ms)")
+    if isinstance(result, SpeculativeResult):
+        print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
+              f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
+        if result.phase_ms:
+            print("phases (ms, whole run): " + ", ".join(f"{k} {v:.1f}" for k, v in result.phase_ms.items()))
     return 0
 
 

@@ -39,7 +39,7 @@ class QueryCapture:
     """Where a forward stores the rotated queries of chosen layers (for SRH scoring, paper Sec. 4.2)."""
 
     layers: tuple[int, ...]  # decoder layers whose queries are kept
-    queries: dict[int, torch.Tensor]  # layer -> [B, T, H_q, D] buffer, filled in place
+    queries: dict[int, torch.Tensor]  # layer -> [B, n, H_q, D] buffer: the last n tokens' queries, copied in place
 
 
 class Attention(nn.Module):
@@ -60,7 +60,8 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, Hkv, D), cos, sin)  # [B, T, H_kv, D]
         cache.write(layer_index, k, v.view(B, T, Hkv, D), positions)
         if capture is not None and layer_index in capture.queries:
-            capture.queries[layer_index].copy_(q)
+            buffer = capture.queries[layer_index]  # keeps the queries of the last buffer.shape[1] tokens
+            buffer.copy_(q[:, T - buffer.shape[1]:])
         k_cache, v_cache = cache.layer(layer_index)
         out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
         return self.wo(out.reshape(B, T, Hq * D))

@@ -51,6 +51,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         name="tiny-llama", vocab_size=257, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
         intermediate_size=160, rope_theta=10000.0, max_position_embeddings=2048, eos_token_ids=(1,)),
+    "tiny-llama-draft": ModelConfig(  # a smaller model with tiny-llama's vocabulary, as a draft in tests
+        name="tiny-llama-draft", vocab_size=257, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=96, rope_theta=10000.0, max_position_embeddings=2048, eos_token_ids=(1,)),
     "tiny-qwen": ModelConfig(
         name="tiny-qwen", vocab_size=263, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
         intermediate_size=112, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=2048,

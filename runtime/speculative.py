@@ -1,0 +1,240 @@
+"""Batched speculative decoding: the round that Classic SD, MagicDec and Dustin share.
+
+    prefill -> [draft -> estimate -> select -> verify -> accept -> commit] per round
+
+State between rounds, per sequence b: the target cache holds the committed tokens [0, L_b); `cur`
+(the last committed token, position L_b) is in neither cache yet; `prev` is the token at L_b - 1.
+The draft's first step processes (prev, cur) at (L_b - 1, L_b): rewriting prev is a no-op when the
+draft already has it and fills the gap when the previous round accepted all Γ tokens (the draft never
+processed its own last token). Rejected cache positions are simply overwritten by later rounds.
+
+Methods differ only in the hooks: how the draft attends (`draft_metadata`), whether and how the
+verification set is chosen (`estimate`, `select`), and what they keep from a round (`after_commit`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
+from trtllm_dustin.runtime.acceptance import greedy_accept, rejection_accept
+from trtllm_dustin.runtime.cuda_graph import CapturedStep
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
+from trtllm_dustin.runtime.prefill import prefill, slot_view
+from trtllm_dustin.runtime.sampling import sample, sampling_probs
+from trtllm_dustin.runtime.vanilla import GenerationConfig, GenerationResult
+
+__all__ = ["SpeculativeDecoder", "SpeculativeResult", "check_speculative_request"]
+
+
+@dataclass
+class SpeculativeResult(GenerationResult):
+    rounds: int = 0
+    committed_hist: list[int] = field(default_factory=list)  # [n] = sequence-rounds that committed n+1 tokens
+    phase_ms: dict[str, float] = field(default_factory=dict)  # filled by a profiling run (profile=True)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per sequence per round (accepted draft tokens + 1), 1 <= tau <= Γ+1."""
+        rounds = sum(self.committed_hist)
+        return sum((n + 1) * c for n, c in enumerate(self.committed_hist)) / rounds if rounds else float("nan")
+
+
+def check_speculative_request(prompts: Sequence[Sequence[int]], cache: KVCache, max_new_tokens: int,
+                              gamma: int) -> None:
+    """A round writes Γ+1 positions past the committed length: the cache must hold them for the last round."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    if len(prompts) > cache.batch_slots:
+        raise ValueError(f"{len(prompts)} prompts exceed the {cache.batch_slots} batch slots; raise --batch-size")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; give at least one token")
+        need = len(p) + max_new_tokens + gamma
+        if need > cache.max_seq_len:
+            raise ValueError(f"--max-seq-len {cache.max_seq_len} is smaller than prompt {i} ({len(p)} tokens) + "
+                             f"--max-new-tokens {max_new_tokens} + gamma {gamma} = {need}; raise --max-seq-len or "
+                             "truncate the prompt")
+
+
+class SpeculativeDecoder:
+    """Draft Γ tokens with a small model, verify them with the target in one forward, commit the agreed prefix."""
+
+    name = "speculative"
+    target_capture_layers: tuple[int, ...] = ()  # target layers whose prompt-end queries prefill keeps
+
+    def __init__(self, target: Transformer, draft: Transformer, target_cache: KVCache, draft_cache: KVCache,
+                 backend: AttentionBackend, gamma: int = 3, use_cuda_graph: bool = True) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma={gamma} must be >= 1")
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({target.config.vocab_size}); the pair must share a tokenizer")
+        if (target_cache.batch_slots, target_cache.max_seq_len) != (draft_cache.batch_slots, draft_cache.max_seq_len):
+            raise ValueError("target and draft caches must have the same batch slots and max_seq_len")
+        self.target, self.draft, self.backend, self.gamma = target, draft, backend, gamma
+        self.tcache, self.dcache = target_cache, draft_cache
+        self.device = target_cache.seqlens.device
+        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
+        B, V = target_cache.batch_slots, target.config.vocab_size
+        self.cur = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.prev = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.draft_tokens = torch.zeros(B, gamma, dtype=torch.long, device=self.device)
+        self.draft_probs = torch.zeros(B, gamma, V, dtype=torch.float32, device=self.device)
+        self.verify_tokens = torch.zeros(B, gamma + 1, dtype=torch.long, device=self.device)
+        self.indices: torch.Tensor | None = None  # int32 [B, k] verification set, for sparse methods
+        self._graphs: dict[str, CapturedStep] = {}
+
+    # ---- hooks -------------------------------------------------------------------------------------------
+    def draft_metadata(self, lens: torch.Tensor) -> AttentionMetadata:
+        """How the draft attends when its new tokens start at position `lens` (Classic SD: the full cache)."""
+        return AttentionMetadata(cache_seqlens=lens)
+
+    def draft_capture(self, step: int) -> QueryCapture | None:
+        return None
+
+    def verify_capture(self) -> QueryCapture | None:
+        return None
+
+    def estimate(self) -> None:
+        """Score the committed context for sparse verification (Dustin: Eq. 5 on the SRHs)."""
+
+    def select(self) -> None:
+        """Fill self.indices, the verification set (Dustin: Eq. 6)."""
+
+    def after_prefill(self, last_queries: dict[int, torch.Tensor], batch: int) -> None:
+        """Keep what prefill measured (Dustin: the prompt end's target queries)."""
+
+    def after_commit(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        """Keep what this round measured (Dustin: the last accepted token's target queries)."""
+
+    # ---- one round ---------------------------------------------------------------------------------------
+    def _run(self, name: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """Run a fixed-shape phase eagerly, or from its CUDA graph (captured on first use)."""
+        if not self.use_cuda_graph:
+            return fn()
+        if name not in self._graphs:
+            self._graphs[name] = CapturedStep(fn)
+        return self._graphs[name]()
+
+    def _draft_forward(self, step: int) -> torch.Tensor:
+        L = self.tcache.seqlens
+        if step == 0:
+            tokens, lens = torch.stack([self.prev, self.cur], dim=1), L - 1  # [B, 2] at L-1, L
+        else:
+            tokens, lens = self.draft_tokens[:, step - 1: step], L + step  # [B, 1] at L+step
+        last = torch.full_like(L, tokens.shape[1] - 1, dtype=torch.long)
+        return self.draft(tokens, self.dcache, self.draft_metadata(lens), self.backend, logit_index=last,
+                          capture=self.draft_capture(step))  # [B, V]
+
+    def draft_tokens_for_round(self, config: GenerationConfig, generator: torch.Generator) -> None:
+        for step in range(self.gamma):
+            logits = self._run(f"draft{step}", lambda step=step: self._draft_forward(step))
+            self.draft_tokens[:, step] = sample(logits, config.sampling, generator)
+            if not config.sampling.greedy:
+                self.draft_probs[:, step] = sampling_probs(logits, config.sampling)
+
+    def _verify_forward(self) -> torch.Tensor:
+        self.verify_tokens[:, 0] = self.cur
+        self.verify_tokens[:, 1:] = self.draft_tokens
+        meta = AttentionMetadata(cache_seqlens=self.tcache.seqlens, indices=self.indices)
+        return self.target(self.verify_tokens, self.tcache, meta, self.backend,
+                           capture=self.verify_capture())  # [B, Γ+1, V]
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, profile: bool = False
+                 ) -> SpeculativeResult:
+        check_speculative_request(prompts, self.tcache, config.max_new_tokens, self.gamma)
+        B, slots, gamma = len(prompts), self.tcache.batch_slots, self.gamma
+        device = self.device
+        generator = torch.Generator(device=device).manual_seed(config.sampling.seed)
+        eos = torch.tensor(config.eos_token_ids or (-1,), device=device)
+        timer = PhaseTimer(profile, device)
+
+        _sync(device)
+        t0 = time.perf_counter()
+        self.tcache.seqlens.zero_()
+        logits, last_queries = prefill(self.target, self.tcache, self.backend, prompts, config.prefill_chunk,
+                                       self.target_capture_layers)
+        prefill(self.draft, slot_view(self.dcache, B), self.backend, prompts, config.prefill_chunk)
+        self.tcache.seqlens[B:] = 1  # idle slots run along at position 1 (the draft's first step reads L - 1)
+        self.dcache.seqlens.copy_(self.tcache.seqlens)
+        self.after_prefill(last_queries, B)
+        first = sample(logits, config.sampling, generator)
+        _sync(device)
+        t1 = time.perf_counter()
+
+        # Every round runs all slots so the captured shapes never change; slots past B are inactive.
+        out = torch.full((slots, config.max_new_tokens + 1), -1, dtype=torch.long, device=device)  # last col: junk
+        active = torch.zeros(slots, dtype=torch.bool, device=device)
+        active[:B] = True
+        self.cur.zero_()
+        self.cur[:B] = first
+        self.prev.zero_()
+        self.prev[:B] = torch.tensor([p[-1] for p in prompts], device=device)
+        out[:, 0] = torch.where(active, self.cur, -1)
+        generated = active.long()
+        active &= ~torch.isin(self.cur, eos) & (generated < config.max_new_tokens)
+        hist = torch.zeros(gamma + 1, dtype=torch.long, device=device)
+        positions = torch.arange(gamma + 1, device=device)
+
+        rounds = 0
+        for rounds in range(1, config.max_new_tokens + 1):  # every round commits >= 1 token per active sequence
+            with timer("draft"):
+                self.draft_tokens_for_round(config, generator)
+            if self.indices is not None:  # sparse verification: choose what the target reads this round
+                with timer("estimate"):
+                    self._run("estimate", self.estimate)
+                with timer("select"):
+                    self._run("select", self.select)
+            with timer("verify"):
+                target_logits = self._run("verify", self._verify_forward)
+            with timer("accept"):
+                if config.sampling.greedy:
+                    accepted, nxt = greedy_accept(self.draft_tokens, target_logits)
+                else:
+                    accepted, nxt = rejection_accept(self.draft_tokens, self.draft_probs, target_logits,
+                                                     config.sampling, generator)
+                # Commit: the accepted drafts and the target's token, cut at EOS and at max_new_tokens.
+                round_tokens = torch.cat([self.draft_tokens, self.draft_tokens[:, :1]], dim=1)
+                round_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [B, Γ+1]; past a+1: junk
+                committed = accepted + 1
+                is_eos = torch.isin(round_tokens, eos) & (positions[None] < committed[:, None])
+                first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), gamma + 1)
+                keep = torch.minimum(committed, first_eos + 1)
+                keep = torch.minimum(keep, config.max_new_tokens - generated)
+                keep = torch.where(active, keep, 0)
+                cols = torch.where(positions[None] < keep[:, None], generated[:, None] + positions[None],
+                                   config.max_new_tokens)
+                out.scatter_(1, cols, round_tokens)
+                hist.scatter_add_(0, accepted, active.long())
+                self.after_commit(accepted, active)
+                # In place: the captured draft and verify steps read these buffers.
+                self.prev.copy_(torch.where(active, self.verify_tokens.gather(1, accepted[:, None])[:, 0], self.prev))
+                self.cur.copy_(torch.where(active, nxt, self.cur))
+                self.tcache.seqlens.add_(keep.int())
+                self.dcache.seqlens.copy_(self.tcache.seqlens)
+                generated += keep
+                active &= ~(is_eos.any(1) | (generated >= config.max_new_tokens))
+            # The one host sync of the loop, every sync_every rounds: stop once every sequence has finished.
+            if rounds % config.sync_every == 0 and not bool(active.any()):
+                break
+        _sync(device)
+        t2 = time.perf_counter()
+        rows = out[:B, : config.max_new_tokens].tolist()
+        return SpeculativeResult(
+            tokens=[[t for t in row if t >= 0] for row in rows], prefill_ms=(t1 - t0) * 1e3,
+            decode_ms=(t2 - t1) * 1e3, decode_steps=rounds, rounds=rounds, committed_hist=hist.tolist(),
+            phase_ms=timer.totals_ms())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

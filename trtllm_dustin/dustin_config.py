@@ -1,0 +1,108 @@
+"""Dustin's estimator configuration: which heads score, how the budget splits. Written by the search, read by
+the runtime, never edited by it (paper Sec. 4.2.2, Algorithm 1)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from trtllm_dustin.config import ConfigError, ModelConfig
+
+__all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
+
+DUSTIN_SCHEMA_VERSION = 1
+VARIANTS = ("h", "t", "d")  # hybrid (Eq. 6), target history only, draft lookahead only
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    """A short hash of a model's shape, so a config searched for one pair is not used with another."""
+    shape = {k: v for k, v in asdict(config).items() if k != "name"}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LayerHeads:
+    """The semantic retrieval heads (query-head indices) of one decoder layer."""
+
+    layer: int
+    heads: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+        if not self.heads:
+            raise ConfigError(f"layer {self.layer} lists no heads")
+        if len(set(self.heads)) != len(self.heads):
+            raise ConfigError(f"layer {self.layer} lists a head twice: {self.heads}")
+
+
+@dataclass(frozen=True)
+class DustinConfig:
+    target_layers: tuple[LayerHeads, ...]  # target SRH layers scoring the last committed token (S_target)
+    draft_layers: tuple[LayerHeads, ...]  # draft SRH layers scoring the Γ lookahead queries (S_draft)
+    budget: int = 512  # k: cached positions each verification reads, protected ones included
+    m: int = 128  # positions taken by S_draft before S_target fills the rest (Eq. 6)
+    n_sink: int = 4  # attention sinks, always kept
+    n_recent: int = 16  # most recent committed positions, always kept
+    gamma: int = 3  # draft tokens per round the config was searched for
+    target_fingerprint: str = ""  # model_fingerprint of the target the search ran on
+    draft_fingerprint: str = ""  # model_fingerprint of the draft the search ran on
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(
+            x if isinstance(x, LayerHeads) else LayerHeads(**x) for x in self.target_layers))
+        object.__setattr__(self, "draft_layers", tuple(
+            x if isinstance(x, LayerHeads) else LayerHeads(**x) for x in self.draft_layers))
+        protected = self.n_sink + self.n_recent
+        if self.budget <= protected:
+            raise ConfigError(f"budget k={self.budget} must exceed sinks + recent window = {protected}")
+        if not 0 <= self.m <= self.budget - protected:
+            raise ConfigError(f"m={self.m} must be in [0, k - sinks - window = {self.budget - protected}]")
+        if self.gamma < 1:
+            raise ConfigError(f"gamma={self.gamma} must be >= 1")
+        if not self.target_layers and not self.draft_layers:
+            raise ConfigError("a Dustin config needs at least one target or draft SRH layer")
+
+    def variant(self, name: str) -> DustinConfig:
+        """dustin-h keeps m; dustin-t gives the whole free budget to S_target, dustin-d to S_draft."""
+        if name not in VARIANTS:
+            raise ConfigError(f"Dustin variant {name!r} is unknown; choose one of {VARIANTS}")
+        free = self.budget - self.n_sink - self.n_recent
+        return {"h": self, "t": replace(self, m=0), "d": replace(self, m=free)}[name]
+
+    def check_models(self, target: ModelConfig, draft: ModelConfig) -> None:
+        """Refuse a config whose layers/heads do not exist in these models or that was searched for others."""
+        for side, layers, model, fingerprint in (("target", self.target_layers, target, self.target_fingerprint),
+                                                 ("draft", self.draft_layers, draft, self.draft_fingerprint)):
+            if fingerprint and fingerprint != model_fingerprint(model):
+                raise ConfigError(f"this Dustin config was searched for another {side} model than {model.name}; "
+                                  f"run `trtllm-dustin search` for this pair")
+            for lh in layers:
+                if not 0 <= lh.layer < model.num_layers:
+                    raise ConfigError(f"{side} layer {lh.layer} does not exist ({model.name} has {model.num_layers})")
+                bad = [h for h in lh.heads if not 0 <= h < model.num_heads]
+                if bad:
+                    raise ConfigError(f"{side} layer {lh.layer} heads {bad} do not exist ({model.num_heads} heads)")
+
+    def to_json(self) -> str:
+        return json.dumps({"schema_version": DUSTIN_SCHEMA_VERSION, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DustinConfig:
+        data = json.loads(text)
+        version = data.pop("schema_version", None)
+        if version != DUSTIN_SCHEMA_VERSION:
+            raise ConfigError(f"Dustin config schema_version {version} is not {DUSTIN_SCHEMA_VERSION}; "
+                              "re-run `trtllm-dustin search`")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DustinConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Dustin config {path} does not exist; create one with `trtllm-dustin search`")
+        return cls.from_json(path.read_text())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
