@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from common import COPY_BANDWIDTH, RESULTS, environment, save_json, time_cuda
-from trtllm_dustin.runtime.vanilla import VanillaDecoder
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.vanilla import VanillaDecoder
 
 
 def main() -> None:

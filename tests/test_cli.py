@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 
 def test_generate_prints_tokens_and_timings(capsys) -> None:

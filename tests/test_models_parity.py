@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_hf_model
-from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 1]]
 

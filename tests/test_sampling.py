@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from trtllm_dustin.runtime.sampling import SamplingParams, sample, sampling_probs
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.loading import default_gguf_path
+from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 PROMPT = "The capital of France is"
 
