@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -218,47 +219,88 @@ def bench_estimator(pair, batch, length, target_cache, full_ms, generator, repla
     }
 
 
-def sweep_shape(shape, t, sparse, generator, batch=16, length=32768, k=512):
-    """Time a grid of launch parameters (splits, block_n, warps, stages) on one shape."""
-    k_cache = torch.randn(batch, shape.heads_kv, length + 16, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+def make_problem(shape, batch, length, t, dtype=torch.bfloat16):
+    k_cache = torch.randn(batch, shape.heads_kv, length + 16, shape.head_dim, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, t, shape.heads_q, shape.head_dim, device="cuda", dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
-    scale = 1 / math.sqrt(shape.head_dim)
-    index_sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
-    # num_splits is a runtime argument: only block_n, warps and stages cost a compile.
-    if sparse:
-        grid = [(s, n, w, st) for s in (1, 2, 3, 4, 8) for n in (32, 64) for w in (4, 8) for st in (2, 3)]
-    else:
-        grid = [(s, n, w, st) for s in (None, 2, 4, 8, 16, 32, 64) for n in (64, 128) for w in (4, 8)
-                for st in (2, 3, 4)]
-    rows = []
-    for splits, block_n, warps, stages in grid:
-        kwargs = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-        if sparse:
-            calls = [(lambda ii=ii, kw=kwargs: sparse_verify_attention_forward(
-                q, k_cache, v_cache, seqlens, ii, scale, out, lse, **kw)) for ii in index_sets]
-        else:
-            calls = [lambda kw=kwargs: verify_attention_forward(
-                q, k_cache, v_cache, seqlens, scale, out, lse, **kw)] * 2
-        try:
-            ms = graph_ms(calls, 10)
-        except Exception as error:  # an infeasible config (e.g. out of shared memory) is recorded, not fatal
-            rows.append({"model": shape.name, "sparse": sparse, "tokens": t, **kwargs, "error": str(error)[:200]})
-            continue
-        rows.append({"model": shape.name, "sparse": sparse, "tokens": t, **kwargs, "ms": ms})
-        print(f"sweep {shape.name:13s} sparse={sparse!s:5s} splits={splits!s:4s} block_n={block_n:3d} "
-              f"warps={warps} stages={stages}: {ms * 1e3:8.1f} us", flush=True)
-    return rows
+    q = torch.randn(batch, t, shape.heads_q, shape.head_dim, device="cuda", dtype=dtype)
+    return q, k_cache, v_cache, seqlens
+
+
+def timed(rows, label, calls, **record):
+    """Time `calls` in a graph and append a sweep row; an infeasible config is recorded, not fatal."""
+    try:
+        ms = graph_ms(calls, 10)
+    except Exception as error:  # e.g. out of shared memory for this tile shape
+        rows.append({**record, "error": str(error)[:200]})
+        return
+    rows.append({**record, "ms": ms})
+    print(f"sweep {label}: {' '.join(f'{k}={v}' for k, v in record.items())}: {ms * 1e3:8.1f} us", flush=True)
+
+
+def sweep_sparse(generator, rows, batch=16, length=32768):
+    """Sparse launch parameters on Qwen2.5-72B heads, and time against k (intercept = fixed cost)."""
+    shape = TARGETS["Qwen2.5-72B"]
+    configs = [dict(block_m=m, block_n=n, num_stages=st, prefetch_indices=p, num_warps=w)
+               for m in (16, 32, 64) for n in (64, 128) for st in (2, 3) for p in (False, True)
+               for w in ((4, 8) if m == 64 else (4,))]
+    for t in (5, 4):
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        scale = 1 / math.sqrt(shape.head_dim)
+        index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
+        for kw in configs if t == 5 else configs[::3]:
+            calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, out, lse,
+                             num_splits=1, **kw) for ii in index_sets]
+            timed(rows, "sparse", calls, kind="sparse", tokens=t, **kw)
+        for k in (0, 128, 512, 2048):
+            sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
+            calls = [partial(sparse_verify_attention, q, k_cache, v_cache, seqlens, ii, out=out) for ii in sets]
+            timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k)
+        torch.cuda.empty_cache()
+
+
+def sweep_full_splits(rows):
+    """Split counts around the heuristic for a few pair counts (B * H_kv = 32, 64, 128)."""
+    for name, batch, t in (("Qwen2.5-7B", 8, 5), ("Qwen2.5-7B", 16, 4), ("Llama-3.1-8B", 16, 4)):
+        shape = TARGETS[name]
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, 32768, t)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        for splits in (None, 1, 2, 3, 4, 6, 8, 16):
+            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim),
+                           out, lse, num_splits=splits)
+            timed(rows, "full", [call] * 2, kind="full_splits", model=name, batch=batch, tokens=t, num_splits=splits)
+        torch.cuda.empty_cache()
+
+
+def sweep_srh(rows, batch=16, length=32768):
+    """SRH kernels' block sizes on the estimator's two shapes (target T=1, draft T=gamma)."""
+    from trtllm_dustin.plugins.srh_score import srh_score_forward
+
+    pair = PAIRS[0]
+    for shape, t in ((TARGETS[pair.target], 1), (pair.draft, pair.gamma)):
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        heads = spread_heads(shape, pair.heads_scored)
+        _, lse = verify_attention(q, k_cache, v_cache, seqlens, return_lse=True)
+        out = torch.empty(batch, k_cache.shape[2], device="cuda")
+        scale = 1 / math.sqrt(shape.head_dim)
+        for n in (64, 128, 256):
+            for w in (4, 8):
+                for st in (2, 3):
+                    for given in (lse, None) if shape.head_dim == 128 else (lse,):
+                        call = partial(srh_score_forward, q, k_cache, seqlens, heads, given, scale, out, False,
+                                       block_n=n, num_warps=w, num_stages=st)
+                        timed(rows, "srh", [call], kind="srh", model=shape.name, tokens=t, block_n=n, num_warps=w,
+                              num_stages=st, two_pass=given is None)
+        torch.cuda.empty_cache()
 
 
 def sweep(generator):
     """Launch-parameter grids on the acceptance shapes (kept in the results for the record)."""
     rows = []
-    for name, t, sparse in (("Llama-3.1-8B", 4, False), ("Qwen2.5-72B", 5, True), ("Qwen2.5-72B", 5, False)):
-        rows += sweep_shape(TARGETS[name], t, sparse, generator)
-        torch.cuda.empty_cache()
+    sweep_sparse(generator, rows)
+    sweep_full_splits(rows)
+    sweep_srh(rows)
     return rows
 
 
@@ -296,13 +338,16 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=512, help="sparse verification budget")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch parameters")
+    parser.add_argument("--sweep-only", action="store_true", help="time the grid, skip the benchmark table")
     parser.add_argument("--out", default="benchmarks/results/attention_h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs a CUDA device (run it on the H200 machine)")
     torch.manual_seed(0)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    sweep_rows = sweep(generator) if args.sweep else []
+    sweep_rows = sweep(generator) if args.sweep or args.sweep_only else []
+    if args.sweep_only:
+        args.models = []
 
     rows, estimators = [], []
     for name in args.models:

@@ -52,11 +52,10 @@ def select_verify_indices(s_draft: torch.Tensor, s_target: torch.Tensor, cache_s
     sinks = torch.arange(n_sink, device=s_draft.device)[None, :].expand(batch, n_sink)
     recent = lengths - n_recent + torch.arange(n_recent, device=s_draft.device)[None, :]  # [B, n_recent]
     candidate = (positions < lengths) & (positions >= n_sink) & (positions < lengths - n_recent)
-    neg_inf = torch.tensor(float("-inf"), device=s_draft.device)
-    draft = torch.topk(torch.where(candidate, s_draft.float(), neg_inf), m, dim=1).indices  # [B, m]
+    draft = torch.topk(s_draft.float().masked_fill(~candidate, float("-inf")), m, dim=1).indices  # [B, m]
     candidate = candidate.scatter(1, draft, False)
     rest = budget - m - n_sink - n_recent
-    target = torch.topk(torch.where(candidate, s_target.float(), neg_inf), rest, dim=1).indices  # [B, rest]
+    target = torch.topk(s_target.float().masked_fill(~candidate, float("-inf")), rest, dim=1).indices  # [B, rest]
     chosen = torch.cat([sinks, recent, draft, target], dim=1).sort(dim=1).values.to(torch.int32)  # [B, budget]
     return torch.where(cache_seqlens[:, None] > budget, chosen, _keep_all(cache_seqlens, budget))
 

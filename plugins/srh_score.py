@@ -30,7 +30,7 @@ MAX_GROUPS_PER_LAUNCH = 8  # 8 bits per group in an int64
 MIN_KEYS_PER_SPLIT = 1024  # first pass (log-denominators) only
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
 def _srh_lse_kernel(
     q_ptr, k_ptr, seqlens_ptr, lse_part_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -77,7 +77,7 @@ def _srh_lse_kernel(
     tl.store(lse_part_ptr + part, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=t_row < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
 def _srh_score_kernel(
     q_ptr, lse_ptr, k_ptr, seqlens_ptr, out_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -133,7 +133,7 @@ def _pack(values: list[int]) -> int:
 
 
 def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate, *,
-                      block_n=64, num_warps=4, num_stages=2):
+                      block_n=None, num_warps=4, num_stages=2):
     """Launch the SRH scoring kernels (inputs already validated).
 
     Launch contract:
@@ -154,6 +154,8 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
     groups = _group_heads(head_ids, heads_q // heads_kv)
     qk_scale_log2 = softmax_scale * LOG2E
     mode = dot_mode(q.dtype)
+    if block_n is None:  # a 32 KB K tile per group: 128 keys at D=128, 256 at D=64 (bf16)
+        block_n = min(256, max(64, 32768 // (head_dim * q.element_size())))
     for first in range(0, len(groups), MAX_GROUPS_PER_LAUNCH):
         chunk = groups[first:first + MAX_GROUPS_PER_LAUNCH]
         rows = max(len(heads) for _, heads in chunk)

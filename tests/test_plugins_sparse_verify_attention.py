@@ -142,8 +142,9 @@ def test_all_indices_equal_full_attention(length, t, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_splits", [1, 2, 7])
-def test_split_counts_agree(num_splits):
+@pytest.mark.parametrize("num_splits, block_m, prefetch_indices", [(1, 16, False), (2, 32, True), (7, 64, False)])
+def test_launch_configs_agree(num_splits, block_m, prefetch_indices):
+    """Key splits, query-row blocks and index prefetching change the schedule, not the result."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
 
     torch.manual_seed(num_splits)
@@ -151,7 +152,8 @@ def test_split_counts_agree(num_splits):
         900, 4, 2, 4, 64, torch.float32, 400, "scattered")
     out = torch.full_like(q, float("nan"))
     lse = torch.empty(q.shape[:3], device=DEVICE)
-    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits,
+                                    block_m=block_m, prefetch_indices=prefetch_indices)
     assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
 
 
