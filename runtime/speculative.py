@@ -30,7 +30,19 @@ from trtllm_dustin.runtime.prefill import prefill, slot_view
 from trtllm_dustin.runtime.sampling import sample, sampling_probs
 from trtllm_dustin.runtime.vanilla import GenerationConfig, GenerationResult
 
-__all__ = ["SpeculativeDecoder", "SpeculativeResult", "check_speculative_request"]
+__all__ = ["DecodeState", "SpeculativeDecoder", "SpeculativeResult", "check_speculative_request"]
+
+
+@dataclass
+class DecodeState:
+    """What the round loop carries between rounds, all on the device."""
+
+    out: torch.Tensor  # [B, max_new + 1] generated ids (-1 = none); the last column takes masked writes
+    active: torch.Tensor  # bool [B]: still generating
+    generated: torch.Tensor  # int64 [B]: tokens generated so far
+    hist: torch.Tensor  # int64 [Γ+1]: sequence-rounds by accepted count
+    eos: torch.Tensor  # ids that end a sequence
+    generator: torch.Generator  # sampling randomness of this run
 
 
 @dataclass
@@ -148,14 +160,73 @@ class SpeculativeDecoder:
                            capture=self.verify_capture())  # [B, Γ+1, V]
 
     # ---- the loop ----------------------------------------------------------------------------------------
+    def start(self, first: torch.Tensor, prev: torch.Tensor, batch: int, config: GenerationConfig) -> DecodeState:
+        """Round-loop state once the caches hold the prompts: `first` [batch] is the first generated token."""
+        slots, device = self.tcache.batch_slots, self.device
+        # Every round runs all slots so the captured shapes never change; slots past `batch` are inactive.
+        state = DecodeState(
+            out=torch.full((slots, config.max_new_tokens + 1), -1, dtype=torch.long, device=device),  # last: junk
+            active=torch.arange(slots, device=device) < batch,
+            generated=torch.zeros(slots, dtype=torch.long, device=device),
+            hist=torch.zeros(self.gamma + 1, dtype=torch.long, device=device),
+            eos=torch.tensor(config.eos_token_ids or (-1,), device=device),
+            generator=torch.Generator(device=device).manual_seed(config.sampling.seed))
+        self.cur.zero_()
+        self.cur[:batch] = first
+        self.prev.zero_()
+        self.prev[:batch] = prev
+        state.out[:, 0] = torch.where(state.active, self.cur, -1)
+        state.generated += state.active.long()
+        state.active &= ~torch.isin(self.cur, state.eos) & (state.generated < config.max_new_tokens)
+        return state
+
+    def round(self, state: DecodeState, config: GenerationConfig, timer: PhaseTimer) -> None:
+        """draft -> estimate -> select -> verify -> accept -> commit, for every slot, without a host sync."""
+        with timer("draft"):
+            self.draft_tokens_for_round(config, state.generator)
+        if self.indices is not None:  # sparse verification: choose what the target reads this round
+            with timer("estimate"):
+                self._run("estimate", self.estimate)
+            with timer("select"):
+                self._run("select", self.select)
+        with timer("verify"):
+            target_logits = self._run("verify", self._verify_forward)
+        with timer("accept"):
+            if config.sampling.greedy:
+                accepted, nxt = greedy_accept(self.draft_tokens, target_logits)
+            else:
+                accepted, nxt = rejection_accept(self.draft_tokens, self.draft_probs, target_logits, config.sampling,
+                                                 state.generator)
+            self.commit(state, accepted, nxt, config.max_new_tokens)
+
+    def commit(self, state: DecodeState, accepted: torch.Tensor, nxt: torch.Tensor, max_new_tokens: int) -> None:
+        """Append the accepted drafts and the target's token, cut at EOS and max_new_tokens; advance the caches."""
+        gamma, active = self.gamma, state.active
+        positions = torch.arange(gamma + 1, device=self.device)
+        round_tokens = torch.cat([self.draft_tokens, self.draft_tokens[:, :1]], dim=1)
+        round_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [B, Γ+1]; past a+1: junk
+        committed = accepted + 1
+        is_eos = torch.isin(round_tokens, state.eos) & (positions[None] < committed[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), gamma + 1)
+        keep = torch.minimum(torch.minimum(committed, first_eos + 1), max_new_tokens - state.generated)
+        keep = torch.where(active, keep, 0)
+        cols = torch.where(positions[None] < keep[:, None], state.generated[:, None] + positions[None], max_new_tokens)
+        state.out.scatter_(1, cols, round_tokens)
+        state.hist.scatter_add_(0, accepted, active.long())
+        self.after_commit(accepted, active)
+        # In place: the captured draft and verify steps read these buffers.
+        self.prev.copy_(torch.where(active, self.verify_tokens.gather(1, accepted[:, None])[:, 0], self.prev))
+        self.cur.copy_(torch.where(active, nxt, self.cur))
+        self.tcache.seqlens.add_(keep.int())
+        self.dcache.seqlens.copy_(self.tcache.seqlens)
+        state.generated += keep
+        state.active &= ~(is_eos.any(1) | (state.generated >= max_new_tokens))
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, profile: bool = False
                  ) -> SpeculativeResult:
         check_speculative_request(prompts, self.tcache, config.max_new_tokens, self.gamma)
-        B, slots, gamma = len(prompts), self.tcache.batch_slots, self.gamma
-        device = self.device
-        generator = torch.Generator(device=device).manual_seed(config.sampling.seed)
-        eos = torch.tensor(config.eos_token_ids or (-1,), device=device)
+        B, device = len(prompts), self.device
         timer = PhaseTimer(profile, device)
 
         _sync(device)
@@ -167,71 +238,23 @@ class SpeculativeDecoder:
         self.tcache.seqlens[B:] = 1  # idle slots run along at position 1 (the draft's first step reads L - 1)
         self.dcache.seqlens.copy_(self.tcache.seqlens)
         self.after_prefill(last_queries, B)
-        first = sample(logits, config.sampling, generator)
+        state = self.start(sample(logits, config.sampling, torch.Generator(device=device).manual_seed(
+            config.sampling.seed + 1)), torch.tensor([p[-1] for p in prompts], device=device), B, config)
         _sync(device)
         t1 = time.perf_counter()
 
-        # Every round runs all slots so the captured shapes never change; slots past B are inactive.
-        out = torch.full((slots, config.max_new_tokens + 1), -1, dtype=torch.long, device=device)  # last col: junk
-        active = torch.zeros(slots, dtype=torch.bool, device=device)
-        active[:B] = True
-        self.cur.zero_()
-        self.cur[:B] = first
-        self.prev.zero_()
-        self.prev[:B] = torch.tensor([p[-1] for p in prompts], device=device)
-        out[:, 0] = torch.where(active, self.cur, -1)
-        generated = active.long()
-        active &= ~torch.isin(self.cur, eos) & (generated < config.max_new_tokens)
-        hist = torch.zeros(gamma + 1, dtype=torch.long, device=device)
-        positions = torch.arange(gamma + 1, device=device)
-
         rounds = 0
         for rounds in range(1, config.max_new_tokens + 1):  # every round commits >= 1 token per active sequence
-            with timer("draft"):
-                self.draft_tokens_for_round(config, generator)
-            if self.indices is not None:  # sparse verification: choose what the target reads this round
-                with timer("estimate"):
-                    self._run("estimate", self.estimate)
-                with timer("select"):
-                    self._run("select", self.select)
-            with timer("verify"):
-                target_logits = self._run("verify", self._verify_forward)
-            with timer("accept"):
-                if config.sampling.greedy:
-                    accepted, nxt = greedy_accept(self.draft_tokens, target_logits)
-                else:
-                    accepted, nxt = rejection_accept(self.draft_tokens, self.draft_probs, target_logits,
-                                                     config.sampling, generator)
-                # Commit: the accepted drafts and the target's token, cut at EOS and at max_new_tokens.
-                round_tokens = torch.cat([self.draft_tokens, self.draft_tokens[:, :1]], dim=1)
-                round_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [B, Γ+1]; past a+1: junk
-                committed = accepted + 1
-                is_eos = torch.isin(round_tokens, eos) & (positions[None] < committed[:, None])
-                first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), gamma + 1)
-                keep = torch.minimum(committed, first_eos + 1)
-                keep = torch.minimum(keep, config.max_new_tokens - generated)
-                keep = torch.where(active, keep, 0)
-                cols = torch.where(positions[None] < keep[:, None], generated[:, None] + positions[None],
-                                   config.max_new_tokens)
-                out.scatter_(1, cols, round_tokens)
-                hist.scatter_add_(0, accepted, active.long())
-                self.after_commit(accepted, active)
-                # In place: the captured draft and verify steps read these buffers.
-                self.prev.copy_(torch.where(active, self.verify_tokens.gather(1, accepted[:, None])[:, 0], self.prev))
-                self.cur.copy_(torch.where(active, nxt, self.cur))
-                self.tcache.seqlens.add_(keep.int())
-                self.dcache.seqlens.copy_(self.tcache.seqlens)
-                generated += keep
-                active &= ~(is_eos.any(1) | (generated >= config.max_new_tokens))
+            self.round(state, config, timer)
             # The one host sync of the loop, every sync_every rounds: stop once every sequence has finished.
-            if rounds % config.sync_every == 0 and not bool(active.any()):
+            if rounds % config.sync_every == 0 and not bool(state.active.any()):
                 break
         _sync(device)
         t2 = time.perf_counter()
-        rows = out[:B, : config.max_new_tokens].tolist()
+        rows = state.out[:B, : config.max_new_tokens].tolist()
         return SpeculativeResult(
             tokens=[[t for t in row if t >= 0] for row in rows], prefill_ms=(t1 - t0) * 1e3,
-            decode_ms=(t2 - t1) * 1e3, decode_steps=rounds, rounds=rounds, committed_hist=hist.tolist(),
+            decode_ms=(t2 - t1) * 1e3, decode_steps=rounds, rounds=rounds, committed_hist=state.hist.tolist(),
             phase_ms=timer.totals_ms())
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
+from conftest import DEVICES
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.vanilla import GenerationConfig
@@ -20,11 +24,20 @@ S_MAX = 160
 PROMPTS = [list(range(5, 5 + 70)), [9, 8, 7], list(range(100, 100 + 41)), [200 + i % 13 for i in range(55)]]
 
 
-@pytest.fixture(scope="module")
-def models():
-    target = load_model("preset:tiny-llama", dtype=DTYPE, seed=7).model
-    draft = load_model("preset:tiny-llama-draft", dtype=DTYPE, seed=8).model
-    return target, draft
+@dataclass
+class Env:
+    target: Transformer
+    draft: Transformer
+    device: torch.device
+    backend: str  # the CPU runs the PyTorch reference eagerly; CUDA runs the Triton kernels from CUDA graphs
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def env(request: pytest.FixtureRequest) -> Env:
+    device = torch.device(request.param)
+    target = load_model("preset:tiny-llama", device=device, dtype=DTYPE, seed=7).model
+    draft = load_model("preset:tiny-llama-draft", device=device, dtype=DTYPE, seed=8).model
+    return Env(target, draft, device, "triton" if device.type == "cuda" else "reference")
 
 
 def dustin_config(budget: int, m: int, n_recent: int = 16) -> DustinConfig:
@@ -33,45 +46,46 @@ def dustin_config(budget: int, m: int, n_recent: int = 16) -> DustinConfig:
                         budget=budget, m=m, n_sink=4, n_recent=n_recent, gamma=GAMMA)
 
 
-def run(method: str, target, draft, prompts=PROMPTS, dustin=None, max_new=24, **config):
-    setup = MethodSetup(target=target, target_cache=KVCache.allocate(target.config, 4, S_MAX, DTYPE, "cpu"),
-                        backend=get_backend("reference"), draft=draft,
-                        draft_cache=KVCache.allocate(draft.config, 4, S_MAX, DTYPE, "cpu"), gamma=GAMMA,
+def run(method: str, env: Env, draft: Transformer | None = None, dustin=None, max_new=24, **config):
+    draft = draft or env.draft
+    target_cache = KVCache.allocate(env.target.config, 4, S_MAX, DTYPE, env.device)
+    setup = MethodSetup(target=env.target, target_cache=target_cache,
+                        backend=get_backend(env.backend), draft=draft,
+                        draft_cache=KVCache.allocate(draft.config, 4, S_MAX, DTYPE, env.device), gamma=GAMMA,
                         draft_budget=12, dustin=dustin)
     decoder = build_decoder(method, setup)
-    return decoder, decoder.generate(prompts, GenerationConfig(max_new_tokens=max_new, prefill_chunk=32, **config))
+    return decoder, decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=max_new, prefill_chunk=32, **config))
 
 
 @pytest.fixture(scope="module")
-def vanilla_tokens(models):
-    return run("vanilla", *models)[1].tokens
+def vanilla_tokens(env: Env):
+    return run("vanilla", env)[1].tokens
 
 
 @pytest.mark.parametrize("method", ["classic", "magicdec"])
-def test_full_verification_methods_equal_vanilla_greedy(models, vanilla_tokens, method: str) -> None:
-    _, result = run(method, *models)
+def test_full_verification_methods_equal_vanilla_greedy(env: Env, vanilla_tokens, method: str) -> None:
+    _, result = run(method, env)
     assert result.tokens == vanilla_tokens
     assert 1 <= result.tau <= GAMMA + 1 and sum(result.committed_hist) > 0
 
 
 @pytest.mark.parametrize("variant", ["dustin-h", "dustin-t", "dustin-d"])
-def test_dustin_with_budget_over_every_length_equals_vanilla(models, vanilla_tokens, variant: str) -> None:
-    _, result = run(variant, *models, dustin=dustin_config(budget=S_MAX, m=40))
+def test_dustin_with_budget_over_every_length_equals_vanilla(env: Env, vanilla_tokens, variant: str) -> None:
+    _, result = run(variant, env, dustin=dustin_config(budget=S_MAX, m=40))
     assert result.tokens == vanilla_tokens
 
 
 @pytest.mark.parametrize("method", ["classic", "dustin-h"])
-def test_draft_equal_to_target_accepts_everything(models, vanilla_tokens, method: str) -> None:
-    target, _ = models
+def test_draft_equal_to_target_accepts_everything(env: Env, vanilla_tokens, method: str) -> None:
     config = DustinConfig(target_layers=(LayerHeads(1, (0,)),), draft_layers=(LayerHeads(2, (5,)),), budget=S_MAX,
                           m=40, gamma=GAMMA)
-    _, result = run(method, target, target, dustin=config)
+    _, result = run(method, env, draft=env.target, dustin=config)
     assert result.tokens == vanilla_tokens
     assert result.committed_hist[:GAMMA] == [0] * GAMMA and result.tau == GAMMA + 1
 
 
-def test_sparse_dustin_runs_and_really_restricts(models, vanilla_tokens) -> None:
-    decoder, result = run("dustin-h", *models, dustin=dustin_config(budget=28, m=4, n_recent=8))
+def test_sparse_dustin_runs_and_really_restricts(env: Env, vanilla_tokens) -> None:
+    decoder, result = run("dustin-h", env, dustin=dustin_config(budget=28, m=4, n_recent=8))
     assert all(len(t) == 24 for t in result.tokens) and 1 <= result.tau <= GAMMA + 1
     indices = decoder.indices
     lens = decoder.tcache.seqlens
@@ -81,14 +95,14 @@ def test_sparse_dustin_runs_and_really_restricts(models, vanilla_tokens) -> None
     assert result.tokens != vanilla_tokens  # 28 of up to 94 positions: the tiny random model notices
 
 
-def test_sparse_verification_reads_only_the_selected_positions(models) -> None:
-    decoder, _ = run("dustin-h", *models, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
+def test_sparse_verification_reads_only_the_selected_positions(env: Env) -> None:
+    decoder, _ = run("dustin-h", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
     decoder.estimate()
     decoder.select()
     with torch.inference_mode():
         expected = decoder._verify_forward().clone()
         L = decoder.tcache.seqlens.long()
-        keep = torch.zeros(decoder.tcache.batch_slots, S_MAX, dtype=torch.bool)
+        keep = torch.zeros(decoder.tcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
             keep[b, decoder.indices[b][decoder.indices[b] >= 0].long()] = True
             keep[b, L[b]: L[b] + GAMMA + 1] = True  # the new tokens, rewritten by the forward anyway
@@ -99,12 +113,12 @@ def test_sparse_verification_reads_only_the_selected_positions(models) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_magicdec_draft_attends_only_to_sinks_and_window(models) -> None:
-    decoder, _ = run("magicdec", *models, max_new=10)
+def test_magicdec_draft_attends_only_to_sinks_and_window(env: Env) -> None:
+    decoder, _ = run("magicdec", env, max_new=10)
     with torch.inference_mode():
         expected = decoder._draft_forward(1).clone()
         lens = (decoder.tcache.seqlens + 1).long()  # step 1's new token sits at L + 1
-        keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool)
+        keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
             n = int(lens[b])
             keep[b, : min(4, n)] = True
@@ -119,28 +133,28 @@ def test_magicdec_draft_attends_only_to_sinks_and_window(models) -> None:
     assert torch.isnan(full).any()  # a full-cache draft step would have read the poisoned positions
 
 
-def test_eos_in_the_middle_of_a_batch_stops_only_that_sequence(models, vanilla_tokens) -> None:
+def test_eos_in_the_middle_of_a_batch_stops_only_that_sequence(env: Env, vanilla_tokens) -> None:
     eos = vanilla_tokens[1][5]
-    _, result = run("classic", *models, eos_token_ids=(eos,))
+    _, result = run("classic", env, eos_token_ids=(eos,))
     for got, full in zip(result.tokens, vanilla_tokens, strict=True):
         assert got == (full[: full.index(eos) + 1] if eos in full else full)
 
 
-def test_sequences_never_outgrow_the_cache(models) -> None:
+def test_sequences_never_outgrow_the_cache(env: Env) -> None:
     with pytest.raises(ValueError, match=r"--max-seq-len 160 is smaller than prompt 0 \(70 tokens\)"):
-        run("classic", *models, max_new=S_MAX - 70)
-    _, result = run("classic", *models, max_new=S_MAX - 70 - GAMMA)  # exactly fits
+        run("classic", env, max_new=S_MAX - 70)
+    _, result = run("classic", env, max_new=S_MAX - 70 - GAMMA)  # exactly fits
     assert all(len(t) == S_MAX - 70 - GAMMA for t in result.tokens[:1])
 
 
-def test_sampled_speculative_decoding_is_seeded(models) -> None:
+def test_sampled_speculative_decoding_is_seeded(env: Env) -> None:
     sampling = SamplingParams(1.0, 0.9, seed=3)
     config = dustin_config(budget=28, m=4, n_recent=8)
-    a = run("dustin-h", *models, dustin=config, sampling=sampling)[1].tokens
-    b = run("dustin-h", *models, dustin=config, sampling=sampling)[1].tokens
+    a = run("dustin-h", env, dustin=config, sampling=sampling)[1].tokens
+    b = run("dustin-h", env, dustin=config, sampling=sampling)[1].tokens
     assert a == b and all(len(t) == 24 for t in a)
 
 
-def test_dustin_without_a_config_says_how_to_get_one(models) -> None:
+def test_dustin_without_a_config_says_how_to_get_one(env: Env) -> None:
     with pytest.raises(ConfigError, match="trtllm-dustin search"):
-        run("dustin-h", *models)
+        run("dustin-h", env)

@@ -47,6 +47,11 @@ PRESETS: dict[str, ModelConfig] = {
         name="smollm2-135m", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
         head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # A random-weight draft with SmolLM2's vocabulary, until the project's trained draft exists (runtime tests).
+    "smollm2-draft-random": ModelConfig(
+        name="smollm2-draft-random", vocab_size=49152, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=64, intermediate_size=512, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
     # Tiny shapes for tests: odd sizes and a GQA ratio of 3 catch layout bugs that square shapes hide.
     "tiny-llama": ModelConfig(
         name="tiny-llama", vocab_size=257, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
