@@ -160,6 +160,7 @@ class SpeculativeDecoder:
                            capture=self.verify_capture())  # [B, Γ+1, V]
 
     # ---- the loop ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def start(self, first: torch.Tensor, prev: torch.Tensor, batch: int, config: GenerationConfig) -> DecodeState:
         """Round-loop state once the caches hold the prompts: `first` [batch] is the first generated token."""
         slots, device = self.tcache.batch_slots, self.device
@@ -180,6 +181,7 @@ class SpeculativeDecoder:
         state.active &= ~torch.isin(self.cur, state.eos) & (state.generated < config.max_new_tokens)
         return state
 
+    @torch.inference_mode()
     def round(self, state: DecodeState, config: GenerationConfig, timer: PhaseTimer) -> None:
         """draft -> estimate -> select -> verify -> accept -> commit, for every slot, without a host sync."""
         with timer("draft"):

@@ -84,7 +84,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
                config.num_parameters() * itemsize, device)
     with torch.device("meta"):
         model = Transformer(config, max_positions).to(dtype)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).requires_grad_(False)  # inference only
     model.setup_rope()
     return model
 
