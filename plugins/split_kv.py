@@ -30,9 +30,8 @@ LOG2E = 1.4426950408889634
 # Running-max start value: finite so that a row whose keys are all masked in a chunk gives
 # alpha = exp2(0) = 1 and p = exp2(-inf) = 0 instead of NaN from (-inf) - (-inf).
 NEG_BIG = tl.constexpr(-1.0e30)
-# Programs per SM a split-KV launch aims at. Measured on the H200 (B=16, L=32K, 8 KV heads):
-# 2 splits (256 programs, one wave) beat 4-64 splits by 2-10%; more splits only add partials.
-PROGRAMS_PER_SM = 2
+# A split-KV launch aims at about one program per SM. H200, L=32K: with B * H_kv = 32 / 64 / 128
+# pairs, 4 / 2 / 1 splits were fastest (136.6 / 256.5 / 482.7 us); more splits only add partials.
 MAX_SPLITS = 64
 
 
@@ -59,7 +58,7 @@ def pick_num_splits(pairs: int, max_keys: int, min_keys_per_split: int, device: 
     pairs: B * H_kv programs per split; max_keys: static upper bound on the keys one pair visits;
     min_keys_per_split: below this a chunk is too short to hide the partial-output traffic.
     """
-    wanted = PROGRAMS_PER_SM * num_sms(device) // pairs
+    wanted = round(num_sms(device) / pairs)
     by_length = triton.cdiv(max_keys, min_keys_per_split)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
