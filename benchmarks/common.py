@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -18,6 +19,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_sha() -> str:
+    """HEAD of the checkout; $GIT_SHA where the tree was copied without .git (the GPU machine)."""
+    if os.environ.get("GIT_SHA"):
+        return os.environ["GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()

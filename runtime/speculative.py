@@ -182,6 +182,19 @@ class SpeculativeDecoder:
         return state
 
     @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """JIT and capture every phase before timing starts. Their side effects (draft/verify K/V at positions past
+        the committed length, scores, indices) are all rewritten by the next real round before being read."""
+        if not self.use_cuda_graph:
+            return
+        for step in range(self.gamma):
+            self._run(f"draft{step}", lambda step=step: self._draft_forward(step))
+        if self.indices is not None:
+            self._run("estimate", self.estimate)
+            self._run("select", self.select)
+        self._run("verify", self._verify_forward)
+
+    @torch.inference_mode()
     def round(self, state: DecodeState, config: GenerationConfig, timer: PhaseTimer) -> None:
         """draft -> estimate -> select -> verify -> accept -> commit, for every slot, without a host sync."""
         with timer("draft"):
@@ -242,6 +255,7 @@ class SpeculativeDecoder:
         self.after_prefill(last_queries, B)
         state = self.start(sample(logits, config.sampling, torch.Generator(device=device).manual_seed(
             config.sampling.seed + 1)), torch.tensor([p[-1] for p in prompts], device=device), B, config)
+        self.capture_graphs()  # one-time cost, kept out of the decode time
         _sync(device)
         t1 = time.perf_counter()
 

