@@ -12,6 +12,7 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.runtime.classic import ClassicSD
 from trtllm_dustin.runtime.dustin import Dustin
+from trtllm_dustin.runtime.dustin_sparse_draft import DustinSparseDraft
 from trtllm_dustin.runtime.magicdec import MagicDec
 from trtllm_dustin.runtime.speculative import SpeculativeDecoder
 from trtllm_dustin.runtime.vanilla import VanillaDecoder
@@ -41,12 +42,12 @@ def _speculative(setup: MethodSetup, cls: type[SpeculativeDecoder], **extra) -> 
                use_cuda_graph=setup.use_cuda_graph, **extra)
 
 
-def _dustin(variant: str) -> Callable[[MethodSetup], SpeculativeDecoder]:
+def _dustin(variant: str, cls: type[Dustin] = Dustin) -> Callable[[MethodSetup], SpeculativeDecoder]:
     def build(setup: MethodSetup) -> SpeculativeDecoder:
         if setup.dustin is None:
             raise ConfigError(f"dustin-{variant} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
                               "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")
-        return _speculative(setup, Dustin, dustin=setup.dustin, variant=variant)
+        return _speculative(setup, cls, dustin=setup.dustin, variant=variant)
     return build
 
 
@@ -57,6 +58,7 @@ METHODS: dict[str, Callable[[MethodSetup], VanillaDecoder | SpeculativeDecoder]]
     "dustin-h": _dustin("h"),
     "dustin-t": _dustin("t"),
     "dustin-d": _dustin("d"),
+    "dustin-h-sparse-draft": _dustin("h", DustinSparseDraft),
 }
 
 

@@ -101,6 +101,9 @@ class SpeculativeDecoder:
         self.draft_probs = torch.zeros(B, gamma, V, dtype=torch.float32, device=self.device)
         self.verify_tokens = torch.zeros(B, gamma + 1, dtype=torch.long, device=self.device)
         self.indices: torch.Tensor | None = None  # int32 [B, k] verification set, for sparse methods
+        # Benchmarks with random weights only: P(accepted = n), n = 0..Γ. Verification still runs in full; only its
+        # verdict is replaced by a draw from this stated distribution (random weights accept nothing useful).
+        self.forced_acceptance: torch.Tensor | None = None
         self._graphs: dict[str, CapturedStep] = {}
 
     # ---- hooks -------------------------------------------------------------------------------------------
@@ -212,6 +215,10 @@ class SpeculativeDecoder:
             else:
                 accepted, nxt = rejection_accept(self.draft_tokens, self.draft_probs, target_logits, config.sampling,
                                                  state.generator)
+            if self.forced_acceptance is not None:
+                accepted = torch.multinomial(self.forced_acceptance.expand(accepted.shape[0], -1), 1,
+                                             generator=state.generator)[:, 0]
+                nxt = target_logits.argmax(dim=-1).gather(1, accepted[:, None])[:, 0]
             self.commit(state, accepted, nxt, config.max_new_tokens)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor, nxt: torch.Tensor, max_new_tokens: int) -> None:

@@ -158,3 +158,37 @@ def test_sampled_speculative_decoding_is_seeded(env: Env) -> None:
 def test_dustin_without_a_config_says_how_to_get_one(env: Env) -> None:
     with pytest.raises(ConfigError, match="trtllm-dustin search"):
         run("dustin-h", env)
+
+
+def test_sparse_draft_with_budget_over_every_length_equals_vanilla(env: Env, vanilla_tokens) -> None:
+    _, result = run("dustin-h-sparse-draft", env, dustin=dustin_config(budget=S_MAX, m=40))
+    assert result.tokens == vanilla_tokens
+
+
+def test_sparse_draft_reads_only_the_verification_set_and_recent_positions(env: Env) -> None:
+    decoder, _ = run("dustin-h-sparse-draft", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
+    with torch.inference_mode():
+        expected = decoder._draft_forward(1).clone()
+        L = decoder.tcache.seqlens.long()
+        keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
+        for b in range(keep.shape[0]):
+            keep[b, decoder.indices[b][decoder.indices[b] >= 0].long()] = True
+            keep[b, decoder.selected_at[b]: L[b] + 2] = True  # committed since the selection, and step 1's token
+        poison = ~keep[None, :, None, :, None]
+        decoder.dcache.k.masked_fill_(poison, float("nan"))
+        decoder.dcache.v.masked_fill_(poison, float("nan"))
+        got = decoder._draft_forward(1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_forced_acceptance_commits_the_stated_counts(env: Env) -> None:
+    """Benchmarks replace the verdict of random-weight models by draws from a stated distribution."""
+    setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, 4, S_MAX, DTYPE,
+                                                                         env.device),
+                        backend=get_backend(env.backend), draft=env.draft,
+                        draft_cache=KVCache.allocate(env.draft.config, 4, S_MAX, DTYPE, env.device), gamma=GAMMA)
+    decoder = build_decoder("classic", setup)
+    decoder.forced_acceptance = torch.tensor([0.0, 0.0, 0.0, 1.0], device=env.device)
+    result = decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=21, prefill_chunk=32))
+    assert result.committed_hist == [0, 0, 0, 4 * 5] and result.tau == GAMMA + 1
+    assert all(len(t) == 21 for t in result.tokens)
