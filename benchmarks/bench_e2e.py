@@ -1,0 +1,221 @@
+"""End-to-end decoding speed of every method at the paper's model shapes, side by side in one process.
+
+Random weights of the real shapes (a step costs the same whatever the values). Random weights accept
+nothing useful, so speculative rounds commit accepted counts drawn from a stated distribution (a
+truncated geometric with per-token acceptance alpha, solved so that E[accepted + 1] = tau; the paper's
+tau: 2.8 for Llama, 2.2 for Qwen) while every kernel runs for real: these rows are labelled
+"stated tau". Per (pair, batch) one cache is sized for the longest context that fits and contexts are
+swept by setting the committed lengths, so every method captures its CUDA graphs once, as a server
+with a static cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA
+events per phase). Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
+
+    python benchmarks/bench_e2e.py --pair llama-8b --batches 8,16 --contexts 8192,16384,24576,32768,65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from common import COPY_BANDWIDTH, RESULTS, environment, save_json
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+from trtllm_dustin.kv_cache import KVCache, available_memory
+from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
+from trtllm_dustin.runtime.vanilla import GenerationConfig
+
+METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: str
+    draft: str
+    gamma: int
+    tau: float  # the paper's mean accepted length for this family
+    dustin: DustinConfig  # paper-sized estimator: 1 target layer x 4 heads, 3 draft layers x 4 heads
+
+
+def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers: tuple[int, ...],
+                 draft_heads: tuple[int, ...]) -> DustinConfig:
+    # Hand-written placeholders, not searched: they fix the estimator's cost, not its quality.
+    return DustinConfig(target_layers=(LayerHeads(target_layer, target_heads),),
+                        draft_layers=tuple(LayerHeads(layer, draft_heads) for layer in draft_layers), budget=512,
+                        m=128)
+
+
+PAIRS = {
+    "llama-8b": Pair("preset:llama-3.1-8b", "preset:llama-3.2-1b", 3, 2.8,
+                     _paper_sized(16, (0, 8, 16, 24), (4, 8, 12), (0, 8, 16, 24))),
+    "qwen-7b": Pair("preset:qwen2.5-7b", "preset:qwen2.5-0.5b", 3, 2.2,
+                    _paper_sized(14, (0, 7, 14, 21), (6, 12, 18), (0, 3, 7, 10))),
+    "qwen-14b": Pair("preset:qwen2.5-14b", "preset:qwen2.5-0.5b", 3, 2.2,
+                     _paper_sized(24, (0, 10, 20, 30), (6, 12, 18), (0, 3, 7, 10))),
+    "tiny": Pair("preset:tiny-llama", "preset:tiny-llama-draft", 3, 2.8,  # CPU smoke test of this script
+                 DustinConfig(target_layers=(LayerHeads(1, (0, 3)),), draft_layers=(LayerHeads(1, (0, 2)),),
+                              budget=48, m=8, n_recent=8)),
+}
+
+
+def stated_acceptance(tau: float, gamma: int) -> tuple[torch.Tensor, float]:
+    """P(accepted = n), n = 0..Γ, for i.i.d. per-token acceptance alpha with E[accepted] + 1 = tau."""
+    if not 1.0 <= tau <= gamma + 1:
+        raise ValueError(f"--tau {tau} must be in [1, gamma + 1 = {gamma + 1}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # E[accepted] = alpha + ... + alpha^Γ grows with alpha: bisect
+        alpha = (lo + hi) / 2
+        lo, hi = (alpha, hi) if sum(alpha ** i for i in range(1, gamma + 1)) < tau - 1 else (lo, alpha)
+    probs = [alpha ** n * (1 - alpha) for n in range(gamma)] + [alpha ** gamma]
+    return torch.tensor(probs), alpha
+
+
+class Clock:
+    """Milliseconds of a callable: CUDA events on the GPU, wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def fitting_context(target, draft, batch: int, contexts: list[int], margin: int, device: torch.device,
+                    dtype: torch.dtype) -> int | None:
+    """The longest context whose two caches fit next to the loaded weights (with room for activations)."""
+    per_token = (target.config.kv_bytes_per_token(2) + draft.config.kv_bytes_per_token(2)) * batch
+    free = available_memory(device) - (6 << 30 if device.type == "cuda" else 1 << 30)
+    fits = [c for c in contexts if per_token * (c + margin) <= free]
+    return max(fits) if fits else None
+
+
+def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args, device, dtype) -> list[dict]:
+    rounds, gamma = args.rounds, pair.gamma
+    margin = (3 * rounds + 8) * (gamma + 1) + 64
+    longest = fitting_context(target, draft, batch, contexts, margin, device, dtype)
+    rows = [{"batch": batch, "context": c, "skipped": "KV caches do not fit in device memory"}
+            for c in contexts if longest is None or c > longest]
+    if longest is None:
+        return rows
+    S = longest + margin
+    tcache = KVCache.allocate(target.config, batch, S, dtype, device)
+    dcache = KVCache.allocate(draft.config, batch, S, dtype, device)
+    for t in (tcache.k, tcache.v, dcache.k, dcache.v):
+        t.normal_()
+    probs, alpha = stated_acceptance(args.tau or pair.tau, gamma)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    clock = Clock(device)
+    use_graph = device.type == "cuda"
+    backend = get_backend("triton" if device.type == "cuda" else "reference")
+    for method in args.methods:
+        decoder = build_decoder(method, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
+                                                    draft_cache=dcache, gamma=gamma, dustin=pair.dustin,
+                                                    use_cuda_graph=use_graph))
+        if method != "vanilla":
+            decoder.forced_acceptance = probs.to(device)
+        for context in [c for c in contexts if c <= longest]:
+            row = {"batch": batch, "context": context, "method": method}
+            tokens = torch.randint(0, target.config.vocab_size, (batch,), device=device)
+            if method == "vanilla":
+                tcache.seqlens.fill_(context)
+                step = tokens[:, None]
+                decoder.decode_one_token(step)
+                times = [clock(lambda d=decoder, s=step: d.decode_one_token(s)) for _ in range(rounds)]
+                ms = statistics.median(times)
+                floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / COPY_BANDWIDTH
+                row.update(ms_per_round=ms, tokens_per_s=batch / ms * 1e3, floor_ms=floor * 1e3,
+                           fraction_of_floor=floor * 1e3 / ms)
+            else:
+                config = GenerationConfig(max_new_tokens=margin)
+                passes = {}
+                for profile in (False, True):
+                    tcache.seqlens.fill_(context)
+                    dcache.seqlens.fill_(context)
+                    if hasattr(decoder, "after_prefill"):
+                        decoder.after_prefill({}, batch)  # sparse drafting starts from StreamingLLM's set
+                    state = decoder.start(tokens, tokens, batch, config)
+                    for _ in range(2):  # warm-up (JIT, graph capture on first use)
+                        decoder.round(state, config, PhaseTimer(False, device))
+                    before = int(state.generated.sum())
+                    timer = PhaseTimer(profile, device)
+                    total = clock(lambda d=decoder, st=state, tm=timer: [d.round(st, config, tm)
+                                                                         for _ in range(rounds)])
+                    passes[profile] = (total, int(state.generated.sum()) - before, timer.totals_ms())
+                total, committed, _ = passes[False]
+                row.update(ms_per_round=total / rounds, tokens_per_s=committed / total * 1e3,
+                           tau_realized=committed / (batch * rounds), tau_stated=args.tau or pair.tau,
+                           alpha=alpha, acceptance="stated tau (random weights)",
+                           phase_ms_per_round={k: v / rounds for k, v in passes[True][2].items()})
+            rows.append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del decoder
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del tcache, dcache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    vanilla = {(r["batch"], r["context"]): r["tokens_per_s"] for r in rows if r.get("method") == "vanilla"}
+    for r in rows:
+        if "tokens_per_s" in r and (r["batch"], r["context"]) in vanilla:
+            r["speedup_vs_vanilla"] = r["tokens_per_s"] / vanilla[(r["batch"], r["context"])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="llama-8b")
+    parser.add_argument("--batches", default="8,16")
+    parser.add_argument("--contexts", default="8192,16384,24576,32768,65536")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--tau", type=float, default=None, help="stated mean accepted length (default: the pair's)")
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds (or vanilla steps) per pass")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
+    args = parser.parse_args()
+    args.methods = args.methods.split(",")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pair = PAIRS[args.pair]
+    contexts = sorted(int(c) for c in args.contexts.split(","))
+    t0 = time.perf_counter()
+    max_pos = max(contexts) + 4096
+    target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
+    draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows += bench_batch(pair, target, draft, batch, contexts, args, device, dtype)
+    add_speedups(rows)
+    where = "h200" if device.type == "cuda" else "cpu"
+    out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
+    save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
+                    "gamma": pair.gamma, "dustin_config": "hand-written placeholder (paper-sized), not searched: "
+                    + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        fields = ["batch", "context", "method", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round", "tau_stated",
+                  "tau_realized", "floor_ms", "fraction_of_floor", "skipped"]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
