@@ -154,7 +154,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                         decoder.round(state, config, PhaseTimer(False, device))
                     before = int(state.generated.sum())
                     timer = PhaseTimer(profile, device)
-                    total = clock(lambda d=decoder, st=state, tm=timer: [d.round(st, config, tm)
+                    total = clock(lambda d=decoder, st=state, tm=timer, cf=config: [d.round(st, cf, tm)
                                                                          for _ in range(rounds)])
                     passes[profile] = (total, int(state.generated.sum()) - before, timer.totals_ms())
                 total, committed, _ = passes[False]
