@@ -52,13 +52,15 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pick_num_splits(pairs: int, max_keys: int, min_keys_per_split: int, device: torch.device) -> int:
+def pick_num_splits(pairs: int, max_keys: int, min_keys_per_split: int, device: torch.device,
+                    programs_per_sm: int = 1) -> int:
     """Splits per (sequence, KV head) pair from host-known sizes only (no host sync).
 
     pairs: B * H_kv programs per split; max_keys: static upper bound on the keys one pair visits;
-    min_keys_per_split: below this a chunk is too short to hide the partial-output traffic.
+    min_keys_per_split: below this a chunk is too short to hide the partial-output traffic;
+    programs_per_sm: the launch's target occupancy (kernels with small tiles want more than 1).
     """
-    wanted = round(num_sms(device) / pairs)
+    wanted = round(programs_per_sm * num_sms(device) / pairs)
     by_length = triton.cdiv(max_keys, min_keys_per_split)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 

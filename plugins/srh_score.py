@@ -28,6 +28,9 @@ __all__ = ["srh_score", "srh_score_forward"]
 
 MAX_GROUPS_PER_LAUNCH = 8  # 8 bits per group in an int64
 MIN_KEYS_PER_SPLIT = 1024  # first pass (log-denominators) only
+# First pass: one group per program and no V, so it wants more programs than the attention kernels.
+# H200, B=16, L=32K, 4 groups: 9 splits (576 programs) 145 us; 2 splits (128 programs) 226 us.
+LSE_PROGRAMS_PER_SM = 4
 
 
 @triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
@@ -154,8 +157,8 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
     groups = _group_heads(head_ids, heads_q // heads_kv)
     qk_scale_log2 = softmax_scale * LOG2E
     mode = dot_mode(q.dtype)
-    if block_n is None:  # a 32 KB K tile per group: 128 keys at D=128, 256 at D=64 (bf16)
-        block_n = min(256, max(64, 32768 // (head_dim * q.element_size())))
+    if block_n is None:  # H200 sweep: 64 keys at D=128 (137.8 us), 128 at D=64 (44.8 us vs 48.6 at 256)
+        block_n = 64 if head_dim * q.element_size() >= 256 else 128
     for first in range(0, len(groups), MAX_GROUPS_PER_LAUNCH):
         chunk = groups[first:first + MAX_GROUPS_PER_LAUNCH]
         rows = max(len(heads) for _, heads in chunk)
@@ -166,7 +169,7 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
         sizes_packed = _pack([len(heads) for _, heads in chunk])
         block_m = max(16, triton.next_power_of_2(t * rows))
         if lse is None:
-            num_splits = pick_num_splits(batch * len(chunk), s_max, MIN_KEYS_PER_SPLIT, q.device)
+            num_splits = pick_num_splits(batch * len(chunk), s_max, MIN_KEYS_PER_SPLIT, q.device, LSE_PROGRAMS_PER_SM)
             lse_part = torch.empty(num_splits, batch, t, len(columns), device=q.device, dtype=torch.float32)
             _srh_lse_kernel[(num_splits, batch, len(chunk))](
                 q_sel, k_cache, cache_seqlens, lse_part,
