@@ -85,9 +85,12 @@ class SpeculativeDecoder:
                  backend: AttentionBackend, gamma: int = 3, use_cuda_graph: bool = True) -> None:
         if gamma < 1:
             raise ValueError(f"gamma={gamma} must be >= 1")
-        if target.config.vocab_size != draft.config.vocab_size:
-            raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+        if draft.config.vocab_size > target.config.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) is larger than the target's "
                              f"({target.config.vocab_size}); the pair must share a tokenizer")
+        # Pairs may pad their embedding tables differently (Qwen2.5-0.5B: 151936 rows, 7B: 152064) around one
+        # tokenizer: the target only ever proposes ids of the shared vocabulary, which every real token is in.
+        self.shared_vocab = draft.config.vocab_size
         if (target_cache.batch_slots, target_cache.max_seq_len) != (draft_cache.batch_slots, draft_cache.max_seq_len):
             raise ValueError("target and draft caches must have the same batch slots and max_seq_len")
         self.target, self.draft, self.backend, self.gamma = target, draft, backend, gamma
@@ -152,15 +155,22 @@ class SpeculativeDecoder:
         for step in range(self.gamma):
             logits = self._run(f"draft{step}", lambda step=step: self._draft_forward(step))
             self.draft_tokens[:, step] = sample(logits, config.sampling, generator)
-            if not config.sampling.greedy:
-                self.draft_probs[:, step] = sampling_probs(logits, config.sampling)
+            if not config.sampling.greedy:  # ids past the draft's vocabulary keep probability 0
+                self.draft_probs[:, step, : self.shared_vocab] = sampling_probs(logits, config.sampling)
 
     def _verify_forward(self) -> torch.Tensor:
         self.verify_tokens[:, 0] = self.cur
         self.verify_tokens[:, 1:] = self.draft_tokens
         meta = AttentionMetadata(cache_seqlens=self.tcache.seqlens, indices=self.indices)
-        return self.target(self.verify_tokens, self.tcache, meta, self.backend,
-                           capture=self.verify_capture())  # [B, Γ+1, V]
+        logits = self.target(self.verify_tokens, self.tcache, meta, self.backend,
+                             capture=self.verify_capture())  # [B, Γ+1, V]
+        return self._shared(logits)
+
+    def _shared(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits with ids outside the pair's shared vocabulary masked out."""
+        if self.shared_vocab < logits.shape[-1]:
+            logits[..., self.shared_vocab:] = float("-inf")
+        return logits
 
     # ---- the loop ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -260,7 +270,7 @@ class SpeculativeDecoder:
         self.tcache.seqlens[B:] = 1  # idle slots run along at position 1 (the draft's first step reads L - 1)
         self.dcache.seqlens.copy_(self.tcache.seqlens)
         self.after_prefill(last_queries, B)
-        state = self.start(sample(logits, config.sampling, torch.Generator(device=device).manual_seed(
+        state = self.start(sample(self._shared(logits), config.sampling, torch.Generator(device=device).manual_seed(
             config.sampling.seed + 1)), torch.tensor([p[-1] for p in prompts], device=device), B, config)
         self.capture_graphs()  # one-time cost, kept out of the decode time
         _sync(device)

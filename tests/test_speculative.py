@@ -192,3 +192,14 @@ def test_forced_acceptance_commits_the_stated_counts(env: Env) -> None:
     result = decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=21, prefill_chunk=32))
     assert result.committed_hist == [0, 0, 0, 4 * 5] and result.tau == GAMMA + 1
     assert all(len(t) == 21 for t in result.tokens)
+
+
+def test_draft_with_a_smaller_padded_vocabulary(env: Env) -> None:
+    """Qwen2.5-0.5B pads to 151936 ids, 7B to 152064: the target then proposes only the shared ids."""
+    from trtllm_dustin.models.loading import _empty_model, _random_init
+
+    small = _empty_model(env.draft.config.with_(vocab_size=250, name="small-vocab"), env.device, DTYPE, None)
+    _random_init(small, seed=5)
+    for sampling in (SamplingParams(), SamplingParams(1.0, 1.0, seed=2)):
+        _, result = run("classic", env, draft=small, sampling=sampling)
+        assert all(len(t) == 24 and max(t) < 250 for t in result.tokens)
