@@ -1,0 +1,95 @@
+"""What a served model is built from: one frozen dataclass, written into the repository as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.runtime.methods import METHODS
+
+__all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
+
+SERVING_SCHEMA_VERSION = 1
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """One Triton model instance: the models it loads, the methods it serves and its batching limits."""
+
+    model: str | None = None  # checkpoint dir, .gguf file or preset:NAME; None = the embedded SmolLM2 default
+    draft: str | None = None  # draft model (same forms); needed by every method but vanilla
+    methods: tuple[str, ...] = ("vanilla",)  # methods served; each keeps its own KV caches (memory x methods)
+    default_method: str = ""  # used when a request names none; "" = the first of `methods`
+    dustin: DustinConfig | None = None  # Dustin's searched estimator configuration (dustin-* methods)
+    max_batch: int = 8  # batch slots per method: requests decoded together (in-flight)
+    max_seq_len: int = 4096  # KV cache length per slot: prompt + max_tokens (+ gamma) must fit
+    queue_size: int = 64  # requests waiting for a slot; more are refused with an error, not queued
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str | None = None  # weights and caches; None = bfloat16 on cuda, float32 on cpu
+    backend: str | None = None  # attention backend; None = triton on cuda, reference on cpu
+    gamma: int = 3  # draft tokens per speculative round
+    draft_budget: int = 512  # MagicDec: the draft's StreamingLLM KV budget
+    use_cuda_graph: bool = True  # replay captured decode phases on cuda
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward
+    decoupled: bool = True  # Triton's decoupled transaction policy: streaming and in-flight batching
+    weights_seed: int = 0  # random-weight presets: the target's seed (the draft's is weights_seed + 1), as the CLI
+    chat_template: bool = False  # wrap text_input in the tokenizer's chat template before encoding
+    request_timeout_s: float = 600.0  # non-decoupled mode: longest a request may take before it is answered with
+    # an error (bounds the execute() call that waits for it)
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept with the repository (provenance)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "methods", tuple(self.methods))
+        if isinstance(self.dustin, dict):
+            object.__setattr__(self, "dustin", DustinConfig(**self.dustin))
+        if not self.methods:
+            raise ConfigError("serve at least one method; pass --method NAME")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"method(s) {unknown} are unknown; choose from {', '.join(METHODS)}")
+        if self.default_method and self.default_method not in self.methods:
+            raise ConfigError(f"default method {self.default_method!r} is not among the served {self.methods}")
+        if any(m != "vanilla" for m in self.methods) and self.draft is None:
+            raise ConfigError(f"speculative methods {self.methods} need a draft model; pass --draft "
+                              "DIR|FILE.gguf|preset:NAME")
+        if any(m.startswith("dustin") for m in self.methods) and self.dustin is None:
+            raise ConfigError("dustin-* methods need --dustin-config FILE (written by `trtllm-dustin search`)")
+        for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} must be one of {_DTYPES}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")
+
+    @property
+    def method(self) -> str:
+        """The method used when a request names none."""
+        return self.default_method or self.methods[0]
+
+    def with_(self, **changes: Any) -> ServingConfig:
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps({"schema_version": SERVING_SCHEMA_VERSION, **data}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingConfig:
+        data = json.loads(text)
+        version = data.pop("schema_version", None)
+        if version != SERVING_SCHEMA_VERSION:
+            raise ConfigError(f"serving config schema_version {version} is not {SERVING_SCHEMA_VERSION}; regenerate "
+                              "the repository with `trtllm-dustin triton-repo`")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingConfig:
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,268 @@
+"""The serving engine: a bounded request queue in front of one in-flight batcher per served method.
+
+    submit(request, on_chunk)   validate, encode, queue (or refuse: QueueFullError)
+    scheduler thread            admit waiting requests into free slots -> step every busy batcher -> stream
+                                each request's new text -> release finished slots
+
+Independent of Triton: the Python-backend model (triton_model.py) only converts tensors to GenerationRequests
+and ResponseChunks to responses, so this file is tested in-process too.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.serving.config import ServingConfig
+from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
+
+__all__ = ["GenerationRequest", "QueueFullError", "RequestError", "RequestStats", "ResponseChunk", "ServingEngine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_SEED = 2**63 - 2  # generate() seeds its first-token generator with seed + 1, which must fit an int64
+
+
+class RequestError(ValueError):
+    """A request that cannot run as sent; the message names the value, the limit and the fix."""
+
+
+class QueueFullError(RuntimeError):
+    """Every slot is busy and the waiting queue is at its bound; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    text: str
+    max_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings: generation ends before the first one, which is not returned
+    method: str | None = None  # None = the model's default method
+    stream: bool = False  # send text pieces as they are committed (decoupled mode only)
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0  # speculative rounds (vanilla: decode steps) this request took part in
+    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0  # drafted for this request: rounds x gamma
+    time_to_first_token_ms: float = float("nan")  # from submit (queue wait included) to the first token
+    decode_tokens_per_s: float = float("nan")  # tokens after the first / time from the first to the last
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round (accepted drafts + the target's token), as the runtime's tau; 1 for vanilla."""
+        return (self.accepted_draft_tokens + self.rounds) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class ResponseChunk:
+    text: str  # the new text (streaming) or the whole text (non-streaming final chunk)
+    final: bool
+    stats: RequestStats
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    method: str
+    slot_request: SlotRequest
+    on_chunk: Callable[[ResponseChunk], None]
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    stats: RequestStats
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float = 0.0
+    slot: int = -1
+    text: list[str] = field(default_factory=list)  # non-streaming: pieces so far
+
+
+class ServingEngine:
+    """Loads the models once, serves GenerationRequests from a scheduler thread."""
+
+    def __init__(self, config: ServingConfig, batchers: dict[str, InflightBatcher], codec: TextCodec) -> None:
+        self.config, self.batchers, self.codec = config, batchers, codec
+        self._waiting: deque[_Job] = deque()
+        self._running: dict[tuple[str, int], _Job] = {}
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dustin-scheduler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: ServingConfig) -> ServingEngine:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda but no CUDA device is visible; regenerate the repository with --device cpu")
+        dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
+        speculative = any(m != "vanilla" for m in config.methods)
+        draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1).model \
+            if speculative else None
+        backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"))
+        batchers = {}
+        for method in config.methods:
+            needs_draft = method != "vanilla"
+            target_cache = KVCache.allocate(loaded.model.config, config.max_batch, config.max_seq_len, dtype, device)
+            draft_cache = KVCache.allocate(draft.config, config.max_batch, config.max_seq_len, dtype, device) \
+                if needs_draft else None
+            decoder = build_decoder(method, MethodSetup(
+                target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
+                draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=config.dustin,
+                use_cuda_graph=config.use_cuda_graph))
+            batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
+        codec = codec_for(loaded.tokenizer, loaded.model.config.vocab_size, config.chat_template)
+        return cls(config, batchers, codec)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, on_chunk: Callable[[ResponseChunk], None]) -> None:
+        """Queue a request; `on_chunk` is called from the scheduler thread with its pieces, the last one final.
+
+        Raises RequestError for a request that cannot run and QueueFullError when the queue is at its bound."""
+        method = request.method or self.config.method
+        if method not in self.batchers:
+            raise RequestError(f"method {method!r} is not served by this model; choose one of "
+                               f"{', '.join(self.batchers)} (regenerate the repository with --method to serve others)")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens={request.max_tokens} must be >= 1")
+        if not 0 <= request.seed <= _MAX_SEED:
+            raise RequestError(f"seed={request.seed} must be in [0, 2^63 - 2]")
+        if request.stream and not self.config.decoupled:
+            raise RequestError("stream=true needs the decoupled model; regenerate the repository with --decoupled")
+        try:
+            sampling = SamplingParams(request.temperature, request.top_p, request.seed)
+            prompt = self.codec.encode(request.text)
+            slot_request = SlotRequest(tuple(prompt), request.max_tokens, sampling)
+            self.batchers[method].check(slot_request)
+        except ValueError as e:
+            raise RequestError(str(e).replace("--max-new-tokens", "max_tokens")) from e
+        job = _Job(request, method, slot_request, on_chunk, IncrementalDetokenizer(self.codec),
+                   StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)))
+        with self._cv:
+            if self._stopping:
+                raise QueueFullError("the server is shutting down; send the request to another instance")
+            if len(self._waiting) >= self.config.queue_size:
+                busy = sum(b.batch_slots - b.free_slots for b in self.batchers.values())
+                raise QueueFullError(f"the request queue is full ({len(self._waiting)} waiting, {busy} slots busy); "
+                                     "retry later, or regenerate the repository with a larger --queue-size or "
+                                     "--max-batch")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the scheduler; requests still queued or running are answered with an error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        for job in [*self._waiting, *self._running.values()]:
+            _send(job, ResponseChunk("", True, job.stats, error="the server shut down before the request finished"))
+        self._waiting.clear()
+        self._running.clear()
+
+    # ---- the scheduler -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cv.wait(timeout=1.0)
+                if self._stopping:
+                    return
+                admit = self._take_admissible()
+            for job in admit:
+                self._admit(job)
+            for method, batcher in self.batchers.items():
+                if batcher.busy:
+                    try:
+                        updates = batcher.step()
+                    except Exception as e:  # noqa: BLE001 - reported to every affected client, then serving goes on
+                        self._fail_running(method, e)
+                        continue
+                    for update in updates:
+                        self._deliver(self._running[(method, update.slot)], update)
+
+    def _take_admissible(self) -> list[_Job]:
+        """Waiting jobs that have a free slot of their method, oldest first (called under the lock)."""
+        free = {method: b.free_slots for method, b in self.batchers.items()}
+        admit = []
+        for job in self._waiting:
+            if free[job.method] > 0:
+                free[job.method] -= 1
+                admit.append(job)
+        for job in admit:
+            self._waiting.remove(job)
+        return admit
+
+    def _admit(self, job: _Job) -> None:
+        batcher = self.batchers[job.method]
+        try:
+            slot, update = batcher.admit(job.slot_request)
+        except Exception as e:  # noqa: BLE001 - the client gets the error; other requests are unaffected
+            _send(job, ResponseChunk("", True, job.stats, error=f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        job.slot = slot
+        self._running[(job.method, slot)] = job
+        job.first_token = time.perf_counter()
+        job.stats.time_to_first_token_ms = (job.first_token - job.submitted) * 1e3
+        self._deliver(job, update, first=True)
+
+    def _fail_running(self, method: str, error: Exception) -> None:
+        for key in [k for k in self._running if k[0] == method]:
+            job = self._running.pop(key)
+            self.batchers[method].release(job.slot)
+            _send(job, ResponseChunk("", True, job.stats, error=f"generation failed: {type(error).__name__}: {error}"))
+
+    def _deliver(self, job: _Job, update: SlotUpdate, first: bool = False) -> None:
+        stats = job.stats
+        stats.generated_tokens += len(update.tokens)
+        if not first:
+            stats.rounds += 1
+            stats.accepted_draft_tokens += update.accepted
+            stats.draft_tokens += self.batchers[job.method].gamma
+        if stats.generated_tokens > 1:
+            elapsed = time.perf_counter() - job.first_token
+            stats.decode_tokens_per_s = (stats.generated_tokens - 1) / elapsed if elapsed > 0 else float("nan")
+        done = update.finished
+        text = job.stops.feed(job.detok.push(update.tokens, final=done), final=done)
+        if job.stops.stopped and not done:  # a stop string ended it early: flush nothing more, free the slot
+            done = True
+        if done:
+            self.batchers[job.method].release(job.slot)
+            del self._running[(job.method, job.slot)]
+        if job.request.stream:
+            if text or done:
+                _send(job, ResponseChunk(text, done, stats))
+        else:
+            job.text.append(text)
+            if done:
+                _send(job, ResponseChunk("".join(job.text), True, stats))
+
+
+def _send(job: _Job, chunk: ResponseChunk) -> None:
+    """Hand a chunk to the transport; a failing client (gone, cancelled) must not stop the scheduler."""
+    try:
+        job.on_chunk(chunk)
+    except Exception:  # noqa: BLE001 - logged with its traceback; the other requests go on
+        print(f"dustin: sending a response failed (request {job.request.text[:32]!r}...):", file=sys.stderr)
+        traceback.print_exc()

@@ -1,0 +1,188 @@
+"""Launching a tritonserver on a generated repository: the binary shipped by `nvidia-pytriton`, or a stock one.
+
+nvidia-pytriton's wheel carries `tritonserver`, the Python backend (`backends/python/libtriton_python.so`) and one
+backend stub per Python version in `python_backend_stubs/<X.Y>/`. The stub must sit beside the backend library,
+so `prepare_pytriton_server` copies the distribution with the stub of this interpreter's version in place. The
+stub embeds the system's libpython; it finds this environment's site-packages (torch, trtllm_dustin) through the
+environment's `bin/` put first on PATH (it resolves `python3` there and reads pyvenv.cfg), as pytriton does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["ServerError", "TritonServer", "free_port", "prepare_pytriton_server", "processes_in_group",
+           "pytriton_distribution"]
+
+
+class ServerError(RuntimeError):
+    """The server could not be prepared, did not start, or did not stop."""
+
+
+def pytriton_distribution() -> tuple[Path, Path]:
+    """(the tritonserver distribution folder, the folder of its bundled shared libraries) of nvidia-pytriton."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("nvidia-pytriton is not installed; `pip install nvidia-pytriton==0.7.0` (it ships the "
+                          "tritonserver binary), or pass a stock tritonserver with --tritonserver")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    dist, libs = root / "tritonserver", root.parent / "nvidia_pytriton.libs"
+    if not (dist / "bin" / "tritonserver").is_file():
+        raise ServerError(f"{dist}/bin/tritonserver is missing; reinstall nvidia-pytriton")
+    return dist, libs
+
+
+def prepare_pytriton_server(dest: str | Path) -> Path:
+    """Copy nvidia-pytriton's server into `dest` with this Python's backend stub beside the backend library.
+
+    Returns `dest`; the binary is `dest/bin/tritonserver`, backends `dest/backends`, caches `dest/caches`."""
+    dist, _ = pytriton_distribution()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        have = sorted(p.name for p in (dist / "python_backend_stubs").iterdir() if p.is_dir())
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version} (it has {have}); use one "
+                          "of those Python versions")
+    dest = Path(dest)
+    for part in ("bin", "backends", "caches"):
+        if (dist / part).is_dir():
+            shutil.copytree(dist / part, dest / part, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(stub, dest / "backends" / "python" / "triton_python_backend_stub")
+    return dest
+
+
+def free_port() -> int:
+    """An ephemeral port on 127.0.0.1 that was free a moment ago (the server binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Process ids whose process group is `pgid` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class TritonServer:
+    """A tritonserver child process on 127.0.0.1 with ephemeral HTTP and gRPC ports, in its own process group.
+
+    `with TritonServer(repo, server_dir) as server:` starts it and waits until the repository's models are ready;
+    leaving the block stops it (SIGTERM, then SIGKILL of the whole group) and checks that nothing is left."""
+
+    def __init__(self, repository: str | Path, server_dir: str | Path, log_path: str | Path,
+                 python_env: str | Path = sys.prefix, start_timeout_s: float = 180.0, stop_timeout_s: float = 60.0,
+                 exit_timeout_s: float = 15.0, extra_args: tuple[str, ...] = ()) -> None:
+        self.repository, self.server_dir = Path(repository).resolve(), Path(server_dir).resolve()
+        self.log_path, self.python_env = Path(log_path), Path(python_env)
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
+        self.exit_timeout_s = exit_timeout_s  # Triton's own wait for open connections and running requests at exit
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        try:
+            _, libs = pytriton_distribution()
+            env["LD_LIBRARY_PATH"] = ":".join(p for p in (env.get("LD_LIBRARY_PATH"), str(libs)) if p)
+        except ServerError:
+            pass  # a stock server brings its own libraries
+        env["PATH"] = f"{self.python_env / 'bin'}:{env.get('PATH', '')}"
+        return env
+
+    def command(self) -> list[str]:
+        return [str(self.server_dir / "bin" / "tritonserver"), "--model-repository", str(self.repository),
+                "--backend-directory", str(self.server_dir / "backends"),
+                "--cache-directory", str(self.server_dir / "caches"),
+                "--http-address", "127.0.0.1", "--http-port", str(self.http_port),
+                "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                "--allow-metrics", "false", "--exit-on-error", "true", "--strict-readiness", "true",
+                "--exit-timeout-secs", str(int(self.exit_timeout_s)),
+                *self.extra_args]
+
+    def start(self) -> TritonServer:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.environment(), start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with {self.process.returncode} while starting; see "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {self.start_timeout_s:.0f} s; see {self.log_path}:\n"
+                          f"{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM (Triton unloads the models, finalize() runs), then SIGKILL the group if it hangs."""
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.process.wait(10)
+        deadline = time.monotonic() + 10  # the backend stubs exit once their parent is gone
+        while processes_in_group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = processes_in_group(pgid)
+        if left:
+            os.killpg(pgid, signal.SIGKILL)
+            raise ServerError(f"processes {left} of the server's group outlived it (killed now)")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
