@@ -56,6 +56,33 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Dustin estimator config (JSON written by `trtllm-dustin search`)")
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.set_defaults(func=_generate)
+
+    repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)")
+    repo.add_argument("--out", type=Path, required=True, help="repository directory (created; other models kept)")
+    repo.add_argument("--name", default="dustin", help="model name inside the repository")
+    repo.add_argument("--model", default=None,
+                      help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
+    repo.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model)")
+    repo.add_argument("--method", nargs="+", choices=list(METHODS), default=["vanilla"],
+                      help="methods served, each with its own KV caches; the first is the default of a request")
+    repo.add_argument("--dustin-config", type=Path, default=None,
+                      help="Dustin estimator config (JSON written by `trtllm-dustin search`), copied into the repo")
+    repo.add_argument("--max-batch", type=int, default=8, help="batch slots per method (in-flight batching)")
+    repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
+    repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
+    repo.add_argument("--device", default="cpu", help="cpu or cuda")
+    repo.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                      help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
+    repo.add_argument("--backend", choices=["reference", "triton"], default=None,
+                      help="attention backend (default: triton on cuda, reference on cpu)")
+    repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
+    repo.add_argument("--no-cuda-graph", action="store_true", help="run decode phases eagerly on cuda")
+    repo.add_argument("--no-decoupled", action="store_true",
+                      help="plain request/response model (HTTP infer; no streaming, batches per execute call)")
+    repo.add_argument("--chat-template", action="store_true", help="wrap text_input in the tokenizer's chat template")
+    repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
+    repo.set_defaults(func=_triton_repo)
     return parser
 
 
@@ -128,6 +155,22 @@ def _generate(args: argparse.Namespace) -> int:
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
         if result.phase_ms:
             print("phases (ms, whole run): " + ", ".join(f"{k} {v:.1f}" for k, v in result.phase_ms.items()))
+    return 0
+
+
+def _triton_repo(args: argparse.Namespace) -> int:
+    from trtllm_dustin.serving import ServingConfig, write_model_repository
+
+    config = ServingConfig(
+        model=args.model, draft=args.draft, methods=tuple(args.method),
+        dustin=DustinConfig.load(args.dustin_config) if args.dustin_config else None, max_batch=args.max_batch,
+        max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
+        backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, use_cuda_graph=not args.no_cuda_graph,
+        decoupled=not args.no_decoupled, weights_seed=args.seed, chat_template=args.chat_template)
+    model_dir = write_model_repository(args.out, config, args.name)
+    print(f"wrote {model_dir} (methods {', '.join(config.methods)}; default {config.method}; "
+          f"{'decoupled' if config.decoupled else 'non-decoupled'})")
+    print(f"serve it: tritonserver --model-repository {args.out.resolve()}  (docs/serving.md)")
     return 0
 
 
