@@ -7,19 +7,36 @@ on their own.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
+from trtllm_dustin.arr import ARREvaluator, scaled_m
+from trtllm_dustin.arr_kl import ARRKLSettings, arr_kl_points, summarise
+from trtllm_dustin.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
 from trtllm_dustin.config import ConfigError
-from trtllm_dustin.models import ModelLoadError, load_model
+from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.provenance import Provenance
-from trtllm_dustin.srh import SRHSettings, identify_srh
+from trtllm_dustin.search import SearchRecord, SearchSettings, dustin_config, run_search
+from trtllm_dustin.search_plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
+from trtllm_dustin.srh import SRHResult, SRHSettings, identify_srh
 
-__all__ = ["add_srh_arguments", "build_parser", "main", "srh_command"]
+__all__ = [
+    "add_arr_arguments",
+    "add_search_arguments",
+    "add_srh_arguments",
+    "arr_command",
+    "build_parser",
+    "main",
+    "search_command",
+    "srh_command",
+]
+
+CURVE_BUDGETS = (32, 64, 128, 192, 256, 384, 512, 1024)
 
 
 def _device(name: str | None) -> torch.device:
@@ -65,6 +82,9 @@ def srh_command(args: argparse.Namespace) -> int:
     result = identify_srh(loaded.model, tokenizer, settings, note=args.note)
     result = replace(result, provenance=provenance.finished(time.perf_counter() - start).to_dict())
     result.save(args.out)
+    if result.layers:
+        plot_srh_scores(json.loads(result.to_json())["head_scores"], args.out.with_suffix(".png"),
+                        f"SRH scores of {result.model} ({result.counted}/{len(result.tests)} tests counted)")
     print(f"{len(result.tests)} tests, {result.counted} counted (ROUGE-1 recall > {settings.min_recall}); "
           f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
     if not result.layers:
@@ -75,12 +95,285 @@ def srh_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("teacher-forced traces (validation split)")
+    group.add_argument("--window", type=int, default=TraceSettings.window, help="tokens per validation window")
+    group.add_argument("--steps", type=int, default=TraceSettings.steps, help="verification steps per window")
+    group.add_argument("--documents", type=int, default=TraceSettings.documents, help="validation windows")
+    group.add_argument("--sources", nargs="+", default=list(TraceSettings.sources), help="corpora, taken in turn")
+    group.add_argument("--gamma", type=int, default=TraceSettings.gamma, help="Γ: the ARR window is Γ+1 queries")
+    group.add_argument("--max-delta", type=int, default=TraceSettings.max_delta, help="largest target look-back δ")
+    group.add_argument("--n-sink", type=int, default=4)
+    group.add_argument("--n-recent", type=int, default=16)
+    group.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    group.add_argument("--seed", type=int, default=0, help="seed of random-weight presets and of the samplers")
+
+
+def _trace_settings(args: argparse.Namespace) -> TraceSettings:
+    return TraceSettings(window=args.window, steps=args.steps, gamma=args.gamma, max_delta=args.max_delta,
+                         documents=args.documents, sources=tuple(args.sources))
+
+
+def _load_pair(args: argparse.Namespace, device: torch.device) -> tuple[LoadedModel, LoadedModel | None]:
+    target = load_model(args.target, device=device, seed=args.seed)
+    if target.tokenizer is None:
+        raise ConfigError(f"the target {target.source} has no tokenizer; the validation windows need one")
+    draft = load_model(args.draft, device=device, seed=args.seed + 1) if args.draft else None
+    if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
+        raise ConfigError(f"draft vocabulary ({draft.model.config.vocab_size}) differs from the target's "
+                          f"({target.model.config.vocab_size}); the pair must share a tokenizer")
+    return target, draft
+
+
+def _load_srh(path: Path | None, loaded: LoadedModel, what: str) -> SRHResult:
+    if path is None:
+        raise ConfigError(f"--{what}-srh is required: profile the {what} first with `trtllm-dustin srh --model "
+                          f"{loaded.source} --out {what}_srh.json`")
+    srh = SRHResult.load(path)
+    if not srh.layers:
+        raise ConfigError(f"{path} chose no SRHs (no test counted); re-profile with a lower --min-recall")
+    return srh
+
+
+def _trace(args: argparse.Namespace, target: LoadedModel, target_srh: SRHResult, draft: LoadedModel | None,
+           draft_srh: SRHResult | None, cache_path: Path | None) -> tuple[AttentionTrace, float]:
+    """Collect the trace (or reuse a cached one made with the same settings and SRHs) -> (trace, seconds)."""
+    start = time.perf_counter()
+    settings = _trace_settings(args)
+    if cache_path is not None and cache_path.is_file():
+        trace = AttentionTrace.load(cache_path)
+        same = (trace.settings == settings and trace.target_srh == target_srh.layers
+                and trace.draft_srh == (draft_srh.layers if draft_srh else ()))
+        if same:
+            print(f"reusing the attention trace {cache_path}")
+            return trace, 0.0
+        print(f"{cache_path} was collected with other settings or SRHs; collecting again")
+    windows = validation_windows(target.tokenizer, settings)
+    trace = collect_trace(target.model, target_srh.layers, windows, settings,
+                          draft.model if draft else None, draft_srh.layers if draft_srh else ())
+    if cache_path is not None:
+        trace.save(cache_path)
+    return trace, time.perf_counter() - start
+
+
+def _policy_table(evaluator: ARREvaluator, budgets: tuple[int, ...], target_layers: list[int],
+                  draft_layers: list[int], m: int, m_budget: int, deltas: tuple[int, ...] = (1,)) -> dict:
+    """budget -> policy -> mean ARR, for the paper's Fig. 2-3 comparison."""
+    table = {}
+    for b in budgets:
+        if b <= evaluator.protected:
+            continue
+        row = {"oracle": evaluator.oracle(b), "streaming": evaluator.streaming(b)}
+        for delta in deltas:
+            row[f"target_history_d{delta}"] = evaluator.target_history(target_layers, b, delta)
+        if draft_layers:
+            row["draft_lookahead"] = evaluator.draft_lookahead(draft_layers, b)
+            row["hybrid"] = evaluator.hybrid(target_layers, draft_layers, b,
+                                             scaled_m(m, b, m_budget, evaluator.protected))
+        table[str(b)] = {k: round(v, 6) for k, v in row.items()}
+    return table
+
+
+def _plot_table(table: dict, path: Path, title: str) -> None:
+    budgets = [int(b) for b in table]
+    names = list(next(iter(table.values())))
+    plot_arr_vs_budget(budgets, {n: [table[str(b)][n] for b in budgets] for n in names}, path, title)
+
+
+def add_arr_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
+    parser.add_argument("--target-srh", type=Path, default=None, help="the target's SRH JSON (`srh`)")
+    parser.add_argument("--draft", default=None, help="draft model (optional: without it, target-side analysis only)")
+    parser.add_argument("--draft-srh", type=Path, default=None, help="the draft's SRH JSON")
+    parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and PNGs go")
+    parser.add_argument("--label", required=True, help="file-name label, e.g. smollm2-135m")
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(CURVE_BUDGETS), help="budgets k of the curves")
+    parser.add_argument("--budget", type=int, default=512, help="budget of the layer-wise analysis")
+    parser.add_argument("--deltas", type=int, nargs="+", default=[1, 2, 4, 8], help="target look-back δ to compare")
+    parser.add_argument("--m", type=int, default=None, help="hybrid draft share at --budget (default: half the free)")
+    parser.add_argument("--kl-prompts", type=int, default=2, help="prompts of the ARR-KL experiment (0: skip it)")
+    parser.add_argument("--kl-prompt-len", type=int, default=2048)
+    parser.add_argument("--kl-new-tokens", type=int, default=ARRKLSettings.new_tokens)
+    parser.add_argument("--kl-budget", type=int, default=ARRKLSettings.budget)
+    parser.add_argument("--note", default="", help="stored in the JSON and plot titles")
+    _add_trace_arguments(parser)
+
+
+def arr_command(args: argparse.Namespace) -> int:
+    """ARR of target history (several δ), draft lookahead, hybrid, StreamingLLM and the oracle vs budget; layer-wise
+    ARR; the ARR-KL correlation. Writes arr_<label>.json and PNGs into --out-dir."""
+    start = time.perf_counter()
+    device = _device(args.device)
+    provenance = Provenance.capture(device)
+    target, draft = _load_pair(args, device)
+    target_srh = _load_srh(args.target_srh, target, "target")
+    draft_srh = _load_srh(args.draft_srh, draft, "draft") if draft else None
+    trace, trace_s = _trace(args, target, target_srh, draft, draft_srh, None)
+    evaluator = ARREvaluator(trace, args.n_sink, args.n_recent)
+    free = args.budget - evaluator.protected
+    m = free // 2 if args.m is None else args.m
+    t_layers = evaluator.target_layers
+    layer_t = {layer: evaluator.target_history([layer], args.budget) for layer in t_layers}
+    best_t = max(layer_t, key=lambda layer: (layer_t[layer], -layer))
+    d_layers = evaluator.draft_layers
+    layer_d = {d: evaluator.draft_lookahead([d], args.budget) for d in d_layers}
+    layer_h = {d: evaluator.hybrid([best_t], [d], args.budget, m) for d in d_layers}
+    table = _policy_table(evaluator, tuple(args.budgets), [best_t], list(d_layers), m, args.budget, tuple(args.deltas))
+    measured = {policy: evaluator.score_by_layer(policy, args.budget, **kw) for policy, kw in (
+        ("oracle", {}), ("streaming", {}), ("target_history", {"target_layers": [best_t]}))}
+    label = f"{args.label}{'' if not args.note else ' (' + args.note + ')'}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    _plot_table(table, args.out_dir / f"arr_vs_budget_{args.label}.png",
+                f"ARR vs budget, {label}: target layer {best_t} SRHs, window {trace.settings.window}, Γ={args.gamma}")
+    series = {"T: target history (layer l)": (list(t_layers), [layer_t[x] for x in t_layers],
+                                              target.model.config.num_layers)}
+    if draft is not None:
+        n_d = draft.model.config.num_layers
+        series["D: draft lookahead (draft layer l)"] = (list(d_layers), [layer_d[d] for d in d_layers], n_d)
+        series[f"H: hybrid (target {best_t} + draft layer l, m={m})"] = (list(d_layers),
+                                                                         [layer_h[d] for d in d_layers], n_d)
+    plot_layerwise(series, args.out_dir / f"layerwise_{args.label}.png",
+                   f"Layer-wise ARR at k={args.budget}, {label}")
+    kl_summary: dict = {}
+    kl_s = 0.0
+    if args.kl_prompts > 0:
+        kl_start = time.perf_counter()
+        kl_settings = ARRKLSettings(budget=args.kl_budget, n_sink=args.n_sink, n_recent=args.n_recent,
+                                    new_tokens=args.kl_new_tokens, seed=args.seed)
+        prompt_windows = validation_windows(target.tokenizer, TraceSettings(
+            window=args.kl_prompt_len, steps=1, gamma=1, max_delta=1, documents=args.kl_prompts,
+            sources=tuple(args.sources)))
+        points = arr_kl_points(target.model, [tokens for _, tokens in prompt_windows], kl_settings,
+                               target_srh.layers)
+        kl_summary = {"settings": asdict(kl_settings), "prompt_len": args.kl_prompt_len,
+                      "doc_ids": [doc for doc, _ in prompt_windows], **summarise(points)}
+        plot_arr_kl([p.arr_all for p in points], [p.kl for p in points], args.out_dir / f"arr_kl_{args.label}.png",
+                    f"ARR vs KL, {label}: Pearson {kl_summary['pearson_arr_all_vs_kl']:.3f} "
+                    f"(SRHs {kl_summary['pearson_arr_srh_vs_kl']:.3f}), k={args.kl_budget}")
+        kl_s = time.perf_counter() - kl_start
+    payload = {
+        "note": args.note, "provenance": provenance.finished(time.perf_counter() - start).to_dict(),
+        "target": target.source, "draft": draft.source if draft else None,
+        "target_srh": str(args.target_srh), "draft_srh": str(args.draft_srh) if draft else None,
+        "trace": json.loads(trace.describe()), "n_sink": args.n_sink, "n_recent": args.n_recent,
+        "arr_vs_budget": {"target_layer": best_t, "draft_layers": list(d_layers), "m_at_budget": m,
+                          "budget_of_m": args.budget, "table": table},
+        "layerwise": {"budget": args.budget, "target_history": {str(k): round(v, 6) for k, v in layer_t.items()},
+                      "draft_lookahead": {str(k): round(v, 6) for k, v in layer_d.items()},
+                      "hybrid_with_best_target_layer": {str(k): round(v, 6) for k, v in layer_h.items()}},
+        "arr_per_measured_layer": {"budget": args.budget, "layers": list(t_layers),
+                                   **{k: [round(x, 6) for x in v] for k, v in measured.items()}},
+        "arr_kl": kl_summary,
+        "seconds": {"attention_collection": round(trace_s, 1), "arr_kl": round(kl_s, 1),
+                    "total": round(time.perf_counter() - start, 1)},
+    }
+    out = args.out_dir / f"arr_{args.label}.json"
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    _print_table(table)
+    print(f"wrote {out} and its plots in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _print_table(table: dict) -> None:
+    names = list(next(iter(table.values())))
+    print("budget " + " ".join(f"{n[:16]:>16}" for n in names))
+    for b, row in table.items():
+        print(f"{b:>6} " + " ".join(f"{row[n]:16.4f}" for n in names))
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
+    parser.add_argument("--draft", required=True, help="draft model (checkpoint dir, .gguf, or preset:NAME)")
+    parser.add_argument("--target-srh", type=Path, default=None, help="the target's SRH JSON (`trtllm-dustin srh`)")
+    parser.add_argument("--draft-srh", type=Path, default=None, help="the draft's SRH JSON")
+    parser.add_argument("--out", type=Path, required=True, help="Dustin config JSON to write (the runtime reads it)")
+    parser.add_argument("--record", type=Path, default=None, help="search record JSON (default: <out>.record.json)")
+    parser.add_argument("--budget", type=int, default=SearchSettings.budget, help="deployment budget k")
+    parser.add_argument("--search-budgets", type=int, nargs="+", default=list(SearchSettings.search_budgets))
+    parser.add_argument("--phase2-share", type=float, default=SearchSettings.phase2_draft_share,
+                        help="draft share of the free budget while phase 2 compares draft layers")
+    parser.add_argument("--max-draft-layers", type=int, default=SearchSettings.max_draft_layers)
+    parser.add_argument("--trials", type=int, default=SearchSettings.trials, help="Optuna trials over m")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse <out>.trace.pt if it matches and continue the Optuna study <out>.optuna.sqlite3")
+    parser.add_argument("--plots", type=Path, default=None, help="also write ARR-vs-budget and layer-wise PNGs here")
+    parser.add_argument("--note", default="", help="stored in the record (e.g. 'random draft: ARR meaningless')")
+    _add_trace_arguments(parser)
+
+
+def search_command(args: argparse.Namespace) -> int:
+    """Algorithm 1 for a target-draft pair: writes the Dustin config (--out) and the search record."""
+    start = time.perf_counter()
+    device = _device(args.device)
+    provenance = Provenance.capture(device)
+    stem = args.out.with_suffix("")
+    study = Path(f"{stem}.optuna.sqlite3")
+    trace_cache = Path(f"{stem}.trace.pt")
+    if not args.resume:
+        study.unlink(missing_ok=True)
+    settings = SearchSettings(budget=args.budget, search_budgets=tuple(args.search_budgets),
+                              phase2_draft_share=args.phase2_share, max_draft_layers=args.max_draft_layers,
+                              trials=args.trials, seed=args.seed, n_sink=args.n_sink, n_recent=args.n_recent,
+                              gamma=args.gamma, study_path=str(study))
+    target, draft = _load_pair(args, device)
+    target_srh = _load_srh(args.target_srh, target, "target")
+    draft_srh = _load_srh(args.draft_srh, draft, "draft")
+    trace, trace_s = _trace(args, target, target_srh, draft, draft_srh, trace_cache if args.resume else None)
+    if not args.resume:
+        trace.save(trace_cache)
+    evaluator = ARREvaluator(trace, args.n_sink, args.n_recent)
+    outcome = run_search(evaluator, settings)
+    config = dustin_config(outcome, settings, target_srh.layers, draft_srh.layers, target.model.config,
+                           draft.model.config)
+    config.check_models(target.model.config, draft.model.config)
+    budgets = tuple(sorted({*CURVE_BUDGETS, *settings.search_budgets, settings.budget}))
+    table = _policy_table(evaluator, budgets, [outcome.target_layer], list(outcome.draft_layers), outcome.m,
+                          settings.budget)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config.save(args.out)
+    seconds = {"attention_collection": round(trace_s, 1), **outcome.seconds,
+               "total": round(time.perf_counter() - start, 1)}
+    record = SearchRecord(settings, outcome, config, table, {
+        "target": target.source, "draft": draft.source, "target_srh": str(args.target_srh),
+        "draft_srh": str(args.draft_srh), "target_srh_provenance": target_srh.provenance,
+        "draft_srh_provenance": draft_srh.provenance, "trace": json.loads(trace.describe())}, seconds, args.note,
+        provenance.finished(time.perf_counter() - start).to_dict())
+    record_path = args.record or Path(f"{stem}.record.json")
+    record.save(record_path)
+    if args.plots is not None:
+        name = args.out.stem
+        title = f"{target.model.config.name} + {draft.model.config.name}{' (' + args.note + ')' if args.note else ''}"
+        _plot_table(table, args.plots / f"{name}_arr_vs_budget.png", f"ARR vs budget: {title}")
+        t_layers, d_layers = evaluator.target_layers, evaluator.draft_layers
+        plot_layerwise({
+            "T: target history (layer l)": (list(t_layers), [outcome.phase1[x] for x in t_layers],
+                                            target.model.config.num_layers),
+            "H: hybrid, phase 2 round 1 (draft layer l)": (list(d_layers), [outcome.phase2[0][d] for d in d_layers],
+                                                          draft.model.config.num_layers),
+            "D: draft lookahead (draft layer l)": (list(d_layers), [
+                sum(evaluator.draft_lookahead([d], b) for b in settings.search_budgets) / len(settings.search_budgets)
+                for d in d_layers], draft.model.config.num_layers)},
+            args.plots / f"{name}_layerwise.png", f"Layer-wise ARR (mean over k in {list(settings.search_budgets)}): "
+                                                  f"{title}")
+    _print_table(table)
+    print(f"target layer {outcome.target_layer}, draft layers {list(outcome.draft_layers)}, m = {outcome.m} at "
+          f"k = {settings.budget}: hybrid ARR {outcome.arr:.4f}")
+    print(f"wrote {args.out} and {record_path}; phases {outcome.seconds} s, total {seconds['total']:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trtllm_dustin.search_cli", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     srh = sub.add_parser("srh", help="identify semantic retrieval heads (needle-in-a-haystack profiling)")
     add_srh_arguments(srh)
     srh.set_defaults(func=srh_command)
+    arr = sub.add_parser("arr", help="ARR analysis: policies vs budget, layer-wise ARR, ARR-KL correlation")
+    add_arr_arguments(arr)
+    arr.set_defaults(func=arr_command)
+    search = sub.add_parser("search", help="Algorithm 1: write the Dustin config of a target-draft pair")
+    add_search_arguments(search)
+    search.set_defaults(func=search_command)
     return parser
 
 
