@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import COPY_BANDWIDTH, RESULTS, environment, save_json
+from common import COPY_BANDWIDTH, RESULTS, Clock, environment, save_json
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
@@ -75,25 +75,6 @@ def stated_acceptance(tau: float, gamma: int) -> tuple[torch.Tensor, float]:
         lo, hi = (alpha, hi) if sum(alpha ** i for i in range(1, gamma + 1)) < tau - 1 else (lo, alpha)
     probs = [alpha ** n * (1 - alpha) for n in range(gamma)] + [alpha ** gamma]
     return torch.tensor(probs), alpha
-
-
-class Clock:
-    """Milliseconds of a callable: CUDA events on the GPU, wall clock on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
 
 
 def fitting_context(target, draft, batch: int, contexts: list[int], margin: int, device: torch.device,

@@ -22,7 +22,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from common import COPY_BANDWIDTH, RESULTS, environment, save_json
+from common import COPY_BANDWIDTH, RESULTS, Clock, environment, save_json
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
@@ -53,15 +53,6 @@ def source_prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
     return [ids[i * step: i * step + length] for i in range(batch)]
 
 
-def timed(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def run_real(args, target, draft, tokenizer, dustin) -> list[dict]:
     prompts = source_prompts(tokenizer, args.batch_size, args.context)
     S = args.context + args.max_new_tokens + 8
@@ -89,6 +80,7 @@ def run_real(args, target, draft, tokenizer, dustin) -> list[dict]:
 
 
 def run_shape(args, target, draft, dustin) -> list[dict]:
+    timed = Clock(torch.device("cuda"))
     B, L, gamma = args.batch_size, args.context, args.gamma
     S = L + args.rounds * (gamma + 1) * 3 + 64
     tcache = KVCache.allocate(target.config, B, S, torch.bfloat16, "cuda")

@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shlex
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["COPY_BANDWIDTH", "RESULTS", "environment", "git_sha", "save_json", "time_cuda"]
+from trtllm_dustin.provenance import git_sha
+
+__all__ = ["COPY_BANDWIDTH", "RESULTS", "Clock", "environment", "git_sha", "save_json", "time_cuda"]
 
 COPY_BANDWIDTH = 4.26e12  # bytes/s, device-to-device copy measured on the project's H200 (shared/GPU.md)
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def git_sha() -> str:
-    """HEAD of the checkout; $GIT_SHA where the tree was copied without .git (the GPU machine)."""
-    if os.environ.get("GIT_SHA"):
-        return os.environ["GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def environment() -> dict:
@@ -60,3 +50,22 @@ def time_cuda(fn, iters: int = 50, warmup: int = 5) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+class Clock:
+    """Milliseconds of a callable: CUDA events on the GPU, wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3

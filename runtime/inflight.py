@@ -23,7 +23,7 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.acceptance import greedy_accept, rejection_accept
 from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.sampling import SamplingParams, sample, sampling_probs
-from trtllm_dustin.runtime.speculative import DecodeState, SpeculativeDecoder, check_speculative_request
+from trtllm_dustin.runtime.speculative import DecodeState, SpeculativeDecoder
 from trtllm_dustin.runtime.vanilla import VanillaDecoder, check_request
 
 __all__ = ["InflightBatcher", "SlotRequest", "SlotUpdate"]
@@ -102,7 +102,7 @@ class InflightBatcher:
     def check(self, request: SlotRequest) -> None:
         """Raise ValueError (with the limit and the fix) when the request can never run in these caches."""
         if self.speculative:
-            check_speculative_request([request.prompt], self.cache, request.max_new_tokens, self.gamma)
+            check_request([request.prompt], self.cache, request.max_new_tokens, lookahead=self.gamma)
         else:
             check_request([request.prompt], self.cache, request.max_new_tokens)
 

@@ -28,9 +28,9 @@ from trtllm_dustin.runtime.cuda_graph import CapturedStep
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefill import prefill, slot_view
 from trtllm_dustin.runtime.sampling import sample, sampling_probs
-from trtllm_dustin.runtime.vanilla import GenerationConfig, GenerationResult
+from trtllm_dustin.runtime.vanilla import GenerationConfig, GenerationResult, check_request
 
-__all__ = ["DecodeState", "SpeculativeDecoder", "SpeculativeResult", "check_speculative_request"]
+__all__ = ["DecodeState", "SpeculativeDecoder", "SpeculativeResult"]
 
 
 @dataclass
@@ -56,23 +56,6 @@ class SpeculativeResult(GenerationResult):
         """Mean tokens committed per sequence per round (accepted draft tokens + 1), 1 <= tau <= Γ+1."""
         rounds = sum(self.committed_hist)
         return sum((n + 1) * c for n, c in enumerate(self.committed_hist)) / rounds if rounds else float("nan")
-
-
-def check_speculative_request(prompts: Sequence[Sequence[int]], cache: KVCache, max_new_tokens: int,
-                              gamma: int) -> None:
-    """A round writes Γ+1 positions past the committed length: the cache must hold them for the last round."""
-    if not prompts:
-        raise ValueError("no prompts given")
-    if len(prompts) > cache.batch_slots:
-        raise ValueError(f"{len(prompts)} prompts exceed the {cache.batch_slots} batch slots; raise --batch-size")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; give at least one token")
-        need = len(p) + max_new_tokens + gamma
-        if need > cache.max_seq_len:
-            raise ValueError(f"--max-seq-len {cache.max_seq_len} is smaller than prompt {i} ({len(p)} tokens) + "
-                             f"--max-new-tokens {max_new_tokens} + gamma {gamma} = {need}; raise --max-seq-len or "
-                             "truncate the prompt")
 
 
 class SpeculativeDecoder:
@@ -257,7 +240,7 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, profile: bool = False
                  ) -> SpeculativeResult:
-        check_speculative_request(prompts, self.tcache, config.max_new_tokens, self.gamma)
+        check_request(prompts, self.tcache, config.max_new_tokens, lookahead=self.gamma)
         B, device = len(prompts), self.device
         timer = PhaseTimer(profile, device)
 

@@ -54,18 +54,24 @@ class GenerationResult:
         return decoded / (self.decode_ms / 1e3) if self.decode_ms > 0 else float("nan")
 
 
-def check_request(prompts: Sequence[Sequence[int]], cache: KVCache, max_new_tokens: int) -> None:
-    """Reject a request that cannot run, before any device work, with what to change."""
+def check_request(prompts: Sequence[Sequence[int]], cache: KVCache, max_new_tokens: int, lookahead: int = 0) -> None:
+    """Reject a request that cannot run, before any device work, with what to change.
+
+    lookahead: positions a step writes past the last committed token (speculative rounds: gamma).
+    """
     if not prompts:
         raise ValueError("no prompts given")
     if len(prompts) > cache.batch_slots:
         raise ValueError(f"{len(prompts)} prompts exceed the {cache.batch_slots} batch slots; raise --batch-size")
+    extra = f" + gamma {lookahead}" if lookahead else ""
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; give at least one token")
-        if len(p) + max_new_tokens > cache.max_seq_len:
+        need = len(p) + max_new_tokens + lookahead
+        if need > cache.max_seq_len:
             raise ValueError(f"--max-seq-len {cache.max_seq_len} is smaller than prompt {i} ({len(p)} tokens) + "
-                             f"--max-new-tokens {max_new_tokens}; raise --max-seq-len or truncate the prompt")
+                             f"--max-new-tokens {max_new_tokens}{extra} = {need}; raise --max-seq-len or truncate "
+                             "the prompt")
 
 
 def _sync(device: torch.device) -> None:
