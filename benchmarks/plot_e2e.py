@@ -35,7 +35,9 @@ def merge(runs: dict[str, dict]) -> None:
     rows = [{"pair": pair, **row} for pair, run in runs.items() for row in run["rows"]]
     keys = ("command", "gpu", "git_sha", "date", "torch")
     runs_meta = {pair: {k: run[k] for k in keys} for pair, run in runs.items()}
-    (RESULTS / "e2e_h200.json").write_text(json.dumps({"runs": runs_meta, "rows": rows}, indent=2) + "\n")
+    merged = {"reproduce": "bash benchmarks/run_e2e_h200.sh (the three bench_e2e.py commands in 'runs', then "
+                           "plot_e2e.py)", "runs": runs_meta, "rows": rows}
+    (RESULTS / "e2e_h200.json").write_text(json.dumps(merged, indent=2) + "\n")
     with open(RESULTS / "e2e_h200.csv", "w", newline="") as f:
         fields = ["pair", "batch", "context", "method", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round",
                   "tau_stated", "tau_realized", "floor_ms", "fraction_of_floor", "skipped"]
