@@ -9,6 +9,7 @@ environment's `bin/` put first on PATH (it resolves `python3` there and reads py
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -85,6 +86,12 @@ def processes_in_group(pgid: int) -> list[int]:
     return pids
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching process dies (a killed test run leaves no server)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class TritonServer:
     """A tritonserver child process on 127.0.0.1 with ephemeral HTTP and gRPC ports, in its own process group.
 
@@ -135,7 +142,8 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.environment(), start_new_session=True)
+                                            env=self.environment(), start_new_session=True,
+                                            preexec_fn=_terminate_with_parent)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

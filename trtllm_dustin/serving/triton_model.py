@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -60,12 +59,14 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(model_config))
         config = ServingConfig.load(Path(args["model_repository"]) / args["model_version"] / "serving_config.json")
-        if config.device == "cpu":  # the plugins' Triton kernels (Dustin's estimate/select) run in the interpreter
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         from trtllm_dustin.serving.engine import ServingEngine
 
         self.engine = ServingEngine.from_config(config.with_(decoupled=self.decoupled))
         self.timeout_s = config.request_timeout_s
+        # Named TRITONSERVER_RESPONSE_COMPLETE_FINAL in the Python backend of nvidia-pytriton 0.7.0 (Triton 2.5x),
+        # TRITONSERVER_RESPONSE_COMPLETE_FINAL_FLAG in other releases; both are 1.
+        self.final_flag = getattr(pb_utils, "TRITONSERVER_RESPONSE_COMPLETE_FINAL_FLAG",
+                                  getattr(pb_utils, "TRITONSERVER_RESPONSE_COMPLETE_FINAL", 1))
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if self.decoupled:
@@ -91,8 +92,8 @@ class TritonPythonModel:
         from trtllm_dustin.serving.engine import QueueFullError, RequestError, ResponseChunk
 
         def reply(response: Any, final: bool) -> None:
-            if sender is not None:  # the flag exists only in the stub of a decoupled model
-                sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL_FLAG if final else 0)
+            if sender is not None:
+                sender.send(response, flags=self.final_flag if final else 0)
             elif final:
                 results[index] = response
                 done.set()

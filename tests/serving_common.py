@@ -1,0 +1,72 @@
+"""What the serving tests share: the served configuration and the runtime's direct answer to compare with."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.runtime.vanilla import GenerationConfig
+from trtllm_dustin.serving import ServingConfig
+
+WEIGHTS_SEED = 7
+MAX_SEQ_LEN = 96
+EOS = (1,)  # tiny-llama's
+DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))),
+                      budget=28, m=4, n_sink=4, n_recent=8, gamma=3)  # sparse: 28 of up to 96 positions
+SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft",
+                       methods=("classic", "vanilla", "dustin-h"), dustin=DUSTIN, max_batch=4,
+                       max_seq_len=MAX_SEQ_LEN, queue_size=32, weights_seed=WEIGHTS_SEED, prefill_chunk=16)
+
+
+def prompt_text(index: int, length: int) -> str:
+    """A prompt for tokenizer-less presets: each character is a token id (chr(id)), ids in [2, 257)."""
+    g = torch.Generator().manual_seed(1000 + index)
+    return "".join(chr(i) for i in torch.randint(2, 257, (length,), generator=g).tolist())
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Run the plugins' CPU path (their PyTorch references), as the served model does, instead of the Triton
+    interpreter that conftest turns on: the same numbers on both sides, and ~100x faster for Dustin."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@functools.cache
+def _models() -> tuple:
+    target = load_model("preset:tiny-llama", dtype=torch.float32, seed=WEIGHTS_SEED).model
+    draft = load_model("preset:tiny-llama-draft", dtype=torch.float32, seed=WEIGHTS_SEED + 1).model
+    return target, draft
+
+
+def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                seed: int = 0) -> str:
+    """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters."""
+    target, draft = _models()
+    speculative = method != "vanilla"
+    decoder = build_decoder(method, MethodSetup(
+        target=target, target_cache=KVCache.allocate(target.config, 1, MAX_SEQ_LEN, torch.float32, "cpu"),
+        backend=get_backend("reference"), draft=draft if speculative else None,
+        draft_cache=KVCache.allocate(draft.config, 1, MAX_SEQ_LEN, torch.float32, "cpu") if speculative else None,
+        gamma=SERVED.gamma, dustin=DUSTIN, use_cuda_graph=False))
+    config = GenerationConfig(max_tokens, SamplingParams(temperature, top_p, seed), EOS, prefill_chunk=16)
+    with reference_kernels():
+        tokens = decoder.generate([[ord(c) for c in text]], config).tokens[0]
+    return "".join(chr(t) for t in tokens)

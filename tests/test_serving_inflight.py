@@ -1,0 +1,208 @@
+"""In-flight batching and the serving engine in-process (no server): the same answers as the runtime's own
+generate(), whatever shares the batch; streaming pieces, stop strings, errors and the queue bound."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from serving_common import DUSTIN, EOS, MAX_SEQ_LEN, SERVED, _models, direct_text, prompt_text, reference_kernels
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.cli import main
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.serving import ServingConfig, write_model_repository
+from trtllm_dustin.serving.engine import GenerationRequest, QueueFullError, RequestError, ServingEngine
+from trtllm_dustin.serving.text import CodepointCodec, IncrementalDetokenizer, StopStrings
+
+METHODS = ["vanilla", "classic", "magicdec", "dustin-h"]
+
+
+def _batcher(method: str, slots: int) -> InflightBatcher:
+    target, draft = _models()
+    decoder = build_decoder(method, MethodSetup(
+        target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
+        backend=get_backend("reference"), draft=draft,
+        draft_cache=KVCache.allocate(draft.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"), gamma=SERVED.gamma,
+        draft_budget=SERVED.draft_budget, dustin=DUSTIN, use_cuda_graph=False))
+    return InflightBatcher(decoder, EOS, prefill_chunk=16)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
+    """10 requests (greedy and sampled, own limits) through 3 slots, admitted as slots free up."""
+    g = torch.Generator().manual_seed(5)
+    requests = [SlotRequest([ord(c) for c in prompt_text(i, int(torch.randint(1, 40, (1,), generator=g)))],
+                            int(torch.randint(1, 30, (1,), generator=g)),
+                            SamplingParams(0.0) if i % 2 else SamplingParams(0.9, 0.85, seed=100 + i))
+                for i in range(10)]
+    batcher = _batcher(method, slots=3)
+    got: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    waiting = list(enumerate(requests))
+    with reference_kernels():
+        for _ in range(500):  # bounded: every step commits at least one token per active slot
+            while waiting and batcher.free_slots:
+                k, request = waiting.pop(0)
+                slot, update = batcher.admit(request)
+                owner[slot], got[k] = k, list(update.tokens)
+                if update.finished:
+                    batcher.release(slot)
+            if not waiting and not batcher.busy:
+                break
+            for update in batcher.step():
+                got[owner[update.slot]] += update.tokens
+                if update.finished:
+                    batcher.release(update.slot)
+    assert not batcher.busy and not waiting
+    for k, r in enumerate(requests):
+        s = r.sampling
+        want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, s.temperature, s.top_p, s.seed)
+        assert "".join(map(chr, got[k])) == want, f"request {k} ({s})"
+
+
+def test_admission_refuses_what_cannot_fit() -> None:
+    batcher = _batcher("classic", slots=1)
+    with pytest.raises(ValueError, match=r"--max-seq-len 96 is smaller than prompt 0 \(90 tokens\)"):
+        batcher.admit(SlotRequest(list(range(2, 92)), 10))
+    batcher.admit(SlotRequest([5, 6], 4))
+    with pytest.raises(RuntimeError, match="no free batch slot"):
+        batcher.admit(SlotRequest([5, 6], 4))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with reference_kernels():
+        eng = ServingEngine.from_config(SERVED.with_(queue_size=8))
+        yield eng
+        eng.close()
+
+
+def _run(engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float = 120.0) -> list[list]:
+    chunks: list[list] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def collect(i: int):
+        def on_chunk(chunk) -> None:
+            chunks[i].append(chunk)
+            if chunk.final:
+                done[i].set()
+        return on_chunk
+
+    for i, r in enumerate(requests):
+        engine.submit(r, collect(i))
+    for event in done:
+        assert event.wait(timeout_s), "a request did not finish"
+    return chunks
+
+
+def test_engine_streaming_pieces_concatenate_to_the_direct_text(engine: ServingEngine) -> None:
+    requests = [GenerationRequest(prompt_text(i, 12 + i), 20, temperature=0.7 * (i % 2), seed=i,
+                                  method=("classic", "vanilla", "dustin-h")[i % 3], stream=i % 2 == 0)
+                for i in range(8)]
+    for r, chunks in zip(requests, _run(engine, requests), strict=True):
+        assert all(c.error is None for c in chunks) and chunks[-1].final and not any(c.final for c in chunks[:-1])
+        text = "".join(c.text for c in chunks)
+        assert text == direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed)
+        stats = chunks[-1].stats
+        assert stats.generated_tokens == len(text) and stats.time_to_first_token_ms > 0
+        if r.method == "vanilla":
+            assert stats.mean_accepted_length == 1 and stats.draft_tokens == 0
+        else:
+            assert 1 <= stats.mean_accepted_length <= SERVED.gamma + 1
+            assert stats.draft_tokens == SERVED.gamma * stats.rounds
+
+
+def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:
+    text = prompt_text(3, 10)
+    full = direct_text("vanilla", text, 30)
+    stop = full[12:14]
+    [chunks] = _run(engine, [GenerationRequest(text, 30, stop=(stop,), method="vanilla", stream=True)])
+    assert "".join(c.text for c in chunks) == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("request_, message", [
+    (GenerationRequest("abc", 0), "max_tokens=0 must be >= 1"),
+    (GenerationRequest("abc", 4, method="medusa"), "method 'medusa' is not served by this model; choose one of"),
+    (GenerationRequest("a" * 90, 10), r"max-seq-len 96 is smaller than prompt 0 \(90 tokens\) \+ max_tokens 10"),
+    (GenerationRequest("\u4e2d", 4), "U\\+4E2D is outside this model's 257-token vocabulary"),
+    (GenerationRequest("abc", 4, temperature=-1.0), "temperature=-1.0 must be >= 0"),
+    (GenerationRequest("", 4), "prompt 0 is empty"),
+])
+def test_engine_refuses_bad_requests_clearly(engine: ServingEngine, request_: GenerationRequest, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        engine.submit(request_, lambda chunk: None)
+
+
+def test_engine_queue_bound() -> None:
+    eng = ServingEngine.from_config(SERVED.with_(methods=("vanilla",), max_batch=1, queue_size=2))
+    try:
+        gate = threading.Event()
+        finished = threading.Semaphore(0)
+        eng.submit(GenerationRequest("ab", 60), lambda c: (gate.wait(30), c.final and finished.release()))
+        accepted, refused = 1, []
+        for _ in range(6):
+            try:
+                eng.submit(GenerationRequest("ab", 4), lambda c: c.final and finished.release())
+                accepted += 1
+            except QueueFullError as e:
+                refused.append(str(e))
+        gate.set()
+        assert accepted <= 4 and refused and "the request queue is full" in refused[0] and "--queue-size" in refused[0]
+        for _ in range(accepted):
+            assert finished.acquire(timeout=60)
+    finally:
+        eng.close()
+
+
+def test_incremental_detokenizer_holds_partial_characters() -> None:
+    class Bytes:  # a byte-level codec: a multi-byte character spans tokens
+        def encode(self, text: str) -> list[int]:
+            return list(text.encode())
+
+        def decode(self, ids) -> str:
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "a\u00e9\u4e2d\U0001f600 z"
+    detok = IncrementalDetokenizer(Bytes())
+    ids = Bytes().encode(text)
+    pieces = [detok.push([i], final=n == len(ids) - 1) for n, i in enumerate(ids)]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_strings_across_pieces() -> None:
+    stops = StopStrings(["END", "xy"])
+    out = "".join(stops.feed(p) for p in ["hello E", "N", "D world"])
+    assert out == "hello " and stops.stopped
+    assert CodepointCodec(300).decode(CodepointCodec(300).encode("Az\u0101")) == "Az\u0101"
+
+
+def test_serving_config_round_trips_and_validates(tmp_path: Path) -> None:
+    assert ServingConfig.from_json(SERVED.to_json()) == SERVED
+    with pytest.raises(ValueError, match="need a draft model"):
+        ServingConfig(methods=("classic",))
+    with pytest.raises(ValueError, match="unknown"):
+        ServingConfig(methods=("beam",))
+
+
+def test_cli_writes_a_repository(tmp_path: Path, capsys) -> None:
+    dustin = tmp_path / "dustin.json"
+    DUSTIN.save(dustin)
+    assert main(["triton-repo", "--out", str(tmp_path / "repo"), "--model", "preset:tiny-llama", "--draft",
+                 "preset:tiny-llama-draft", "--method", "dustin-h", "vanilla", "--dustin-config", str(dustin),
+                 "--max-batch", "2", "--max-seq-len", "64", "--no-decoupled"]) == 0
+    model = tmp_path / "repo" / "dustin"
+    pbtxt = (model / "config.pbtxt").read_text()
+    assert "max_batch_size: 2" in pbtxt and "decoupled: false" in pbtxt and 'name: "text_output"' in pbtxt
+    assert "from trtllm_dustin.serving.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
+    config = ServingConfig.load(model / "1" / "serving_config.json")
+    assert config.methods == ("dustin-h", "vanilla") and config.dustin == DUSTIN and not config.decoupled
+    assert "wrote" in capsys.readouterr().out
+    assert main(["triton-repo", "--out", str(tmp_path / "r2"), "--method", "dustin-h", "--draft", "preset:x"]) == 2
+    write_model_repository(tmp_path / "repo", SERVED, "second")
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["dustin", "second"]
