@@ -1,0 +1,193 @@
+"""Serving load test: N concurrent streaming gRPC clients against a tritonserver for a fixed duration per method.
+
+Reports per method: completed requests, output tokens/s (all clients), time to first token and inter-token latency
+percentiles (client side: a streamed piece's gap divided by the tokens it carries), and the server's mean
+accepted length. By default it writes a repository and launches nvidia-pytriton's tritonserver itself; with
+--url it loads an already running server (whose repository must serve the methods asked for).
+
+CPU, tiny presets (what CI machines can run):
+    python benchmarks/bench_serving.py --model preset:tiny-llama --draft preset:tiny-llama-draft \
+        --dustin-placeholder --methods vanilla classic dustin-h --clients 8 --duration 20
+H200 (SmolLM2 + the trained draft, prompts from the test split, final report only):
+    python benchmarks/bench_serving.py --draft DRAFT --dustin-config CFG --device cuda --prompts test \
+        --prompt-tokens 4096 --max-tokens 256 --clients 16 --duration 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from common import RESULTS, environment, save_json
+
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+from trtllm_dustin.serving import ServingConfig, write_model_repository
+from trtllm_dustin.serving.launch import TritonServer, prepare_pytriton_server
+
+# The tiny presets' shapes; a stand-in where no searched config exists (it sets the estimator's cost, not quality).
+TINY_DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),),
+                           draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))), budget=64, m=16)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    array = np.asarray(values)
+    return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)} | {"mean": float(array.mean())}
+
+
+def prompts(args: argparse.Namespace, count: int) -> list[str]:
+    """Fixed prompts: random characters for tokenizer-less presets, or document prefixes of a corpus split."""
+    if args.prompts == "random":
+        rng = np.random.default_rng(0)
+        return ["".join(chr(int(i)) for i in rng.integers(2, 257, args.prompt_tokens)) for _ in range(count)]
+    from trtllm_dustin.data import final_report_documents, split_documents
+
+    docs = final_report_documents() if args.prompts == "test" else split_documents(args.prompts)
+    out = []
+    for doc in docs:  # about 4 characters per token: the server counts the real prompt tokens
+        if len(doc.text) >= 4 * args.prompt_tokens:
+            out.append(doc.text[: 4 * args.prompt_tokens])
+        if len(out) == count:
+            return out
+    raise SystemExit(f"only {len(out)} {args.prompts} documents are long enough for --prompt-tokens "
+                     f"{args.prompt_tokens}; lower it")
+
+
+def client(url: str, model: str, method: str, texts: list[str], max_tokens: int, deadline: float,
+           record: dict, lock: threading.Lock, max_requests: int | None = None) -> None:
+    """One client: streaming requests back to back until the deadline (or max_requests)."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as c:
+        c.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+        i = 0
+        while time.perf_counter() < deadline and (max_requests is None or i < max_requests):
+            text = texts[i % len(texts)]
+            i += 1
+            arrays = {"text_input": np.array([[text.encode()]], dtype=np.object_),
+                      "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+                      "method": np.array([[method.encode()]], dtype=np.object_),
+                      "stream": np.array([[True]], dtype=np.bool_)}
+            inputs = []
+            for name, array in arrays.items():
+                tensor = grpcclient.InferInput(name, list(array.shape), {"O": "BYTES", "i": "INT32",
+                                                                         "b": "BOOL"}[array.dtype.kind])
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            sent = time.perf_counter()
+            c.async_stream_infer(model, inputs, enable_empty_final_response=True)
+            last, tokens, gaps, ttft, tau = sent, 0, [], None, None
+            for _ in range(max_tokens + 2):
+                result, error, at = responses.get(timeout=600)
+                if error is not None:
+                    raise RuntimeError(f"request failed: {error}")
+                if result.as_numpy("generated_tokens") is not None:
+                    count = int(result.as_numpy("generated_tokens").reshape(-1)[0])
+                    if ttft is None:
+                        ttft = (at - sent) * 1e3
+                    elif count > tokens:
+                        gaps += [(at - last) * 1e3 / (count - tokens)] * (count - tokens)
+                    tokens, last = count, at
+                    tau = float(result.as_numpy("mean_accepted_length").reshape(-1)[0])
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            with lock:
+                record["requests"] += 1
+                record["tokens"] += tokens
+                record["ttft_ms"].append(ttft)
+                record["itl_ms"] += gaps
+                record["tau"].append(tau)
+        c.stop_stream()
+
+
+def run_method(url: str, model: str, method: str, args: argparse.Namespace, texts: list[str]) -> dict:
+    record = {"requests": 0, "tokens": 0, "ttft_ms": [], "itl_ms": [], "tau": []}
+    lock = threading.Lock()
+    # Warm-up, excluded: one request, so lazy set-up (graph capture, JIT) is not timed.
+    client(url, model, method, texts[:1], args.max_tokens, float("inf"), dict(record, ttft_ms=[], itl_ms=[], tau=[]),
+           lock, max_requests=1)
+    start = time.perf_counter()
+    deadline = start + args.duration
+    threads = [threading.Thread(target=client, args=(url, model, method, texts[i::args.clients] or texts,
+                                                     args.max_tokens, deadline, record, lock))
+               for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.duration + 600)
+    elapsed = time.perf_counter() - start  # includes finishing the requests running at the deadline
+    taus = [t for t in record["tau"] if t == t]
+    return {"method": method, "clients": args.clients, "requests": record["requests"], "seconds": elapsed,
+            "output_tokens_per_s": record["tokens"] / elapsed, "ttft_ms": percentiles(record["ttft_ms"]),
+            "inter_token_ms": percentiles(record["itl_ms"]),
+            "mean_accepted_length": statistics.fmean(taus) if taus else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--dustin-config", type=Path, default=None)
+    p.add_argument("--dustin-placeholder", action="store_true", help="the tiny presets' stand-in Dustin config")
+    p.add_argument("--methods", nargs="+", default=["vanilla", "classic", "dustin-h"])
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per method")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompts", choices=["random", "validation", "test"], default="random")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--url", default=None, help="gRPC address of a running server (default: launch one)")
+    p.add_argument("--model-name", default="dustin")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else (
+        TINY_DUSTIN if args.dustin_placeholder else None)
+    texts = prompts(args, max(args.clients, 8))
+    config = ServingConfig(model=args.model, draft=args.draft, methods=tuple(args.methods), dustin=dustin,
+                           max_batch=args.max_batch, max_seq_len=args.max_seq_len or 2 * args.prompt_tokens +
+                           args.max_tokens + 16, queue_size=4 * args.clients, device=args.device)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.url is None:
+            write_model_repository(Path(tmp) / "repo", config, args.model_name)
+            server = TritonServer(Path(tmp) / "repo", prepare_pytriton_server(Path(tmp) / "server"),
+                                  Path(tmp) / "server.log", start_timeout_s=900).start()
+            url = server.grpc_url
+        else:
+            server, url = None, args.url
+        try:
+            for method in args.methods:
+                results.append(run_method(url, args.model_name, method, args, texts))
+                r = results[-1]
+                print(f"{method:10s} {r['requests']:4d} req  {r['output_tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                      f"{r['ttft_ms'].get('p50', float('nan')):7.1f} p99 {r['ttft_ms'].get('p99', float('nan')):7.1f}"
+                      f" ms  ITL p50 {r['inter_token_ms'].get('p50', float('nan')):6.2f} p99 "
+                      f"{r['inter_token_ms'].get('p99', float('nan')):6.2f} ms  tau {r['mean_accepted_length']}")
+        finally:
+            if server is not None:
+                server.stop()
+    device = "h200" if args.device.startswith("cuda") else "cpu"
+    save_json(args.out or RESULTS / f"serving_{device}.json",
+              {**environment(), "config": json_safe(config), "prompt_tokens": args.prompt_tokens,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "duration_s": args.duration,
+               "results": results})
+
+
+def json_safe(config: ServingConfig) -> dict:
+    import json
+
+    return json.loads(config.to_json())
+
+
+if __name__ == "__main__":
+    main()
