@@ -47,7 +47,10 @@ class Provenance:
 
     @classmethod
     def capture(cls, device: torch.device | str = "cpu", argv: list[str] | None = None) -> Provenance:
-        argv = sys.argv if argv is None else argv
+        argv = list(sys.argv if argv is None else argv)
+        main = sys.modules.get("__main__")
+        if argv and getattr(getattr(main, "__spec__", None), "name", None):  # run as `python -m package.module`
+            argv = ["-m", main.__spec__.name, *argv[1:]]
         return cls(command=" ".join(shlex.quote(a) for a in [Path(sys.executable).name, *argv]),
                    machine=describe_machine(device), git_sha=git_sha(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

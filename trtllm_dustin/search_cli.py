@@ -294,8 +294,11 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft share of the free budget while phase 2 compares draft layers")
     parser.add_argument("--max-draft-layers", type=int, default=SearchSettings.max_draft_layers)
     parser.add_argument("--trials", type=int, default=SearchSettings.trials, help="Optuna trials over m")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where the attention trace (<out>.trace.pt, ~100s of MB) and the Optuna study "
+                             "(<out>.optuna.sqlite3) are kept (default: beside --out)")
     parser.add_argument("--resume", action="store_true",
-                        help="reuse <out>.trace.pt if it matches and continue the Optuna study <out>.optuna.sqlite3")
+                        help="reuse the trace if it matches and continue the Optuna study in --work-dir")
     parser.add_argument("--plots", type=Path, default=None, help="also write ARR-vs-budget and layer-wise PNGs here")
     parser.add_argument("--note", default="", help="stored in the record (e.g. 'random draft: ARR meaningless')")
     _add_trace_arguments(parser)
@@ -307,8 +310,10 @@ def search_command(args: argparse.Namespace) -> int:
     device = _device(args.device)
     provenance = Provenance.capture(device)
     stem = args.out.with_suffix("")
-    study = Path(f"{stem}.optuna.sqlite3")
-    trace_cache = Path(f"{stem}.trace.pt")
+    work = args.work_dir or args.out.parent
+    work.mkdir(parents=True, exist_ok=True)
+    study = work / f"{args.out.stem}.optuna.sqlite3"
+    trace_cache = work / f"{args.out.stem}.trace.pt"
     if not args.resume:
         study.unlink(missing_ok=True)
     settings = SearchSettings(budget=args.budget, search_budgets=tuple(args.search_budgets),
