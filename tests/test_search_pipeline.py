@@ -61,3 +61,16 @@ def test_plots_are_written_as_png(tmp_path) -> None:
     ]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_defaults_and_errors(tmp_path, capsys) -> None:
+    from trtllm_dustin.search_cli import build_parser, main
+
+    args = build_parser().parse_args(["search", "--draft", "preset:x", "--out", str(tmp_path / "d.json")])
+    assert (args.budget, args.search_budgets, args.max_draft_layers, args.trials, args.gamma) == (
+        512, [128, 192, 256], 3, 40, 3)
+    code = main(["search", "--target", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft",
+                 "--out", str(tmp_path / "d.json"), "--device", "cpu"])
+    assert code == 2 and "has no tokenizer" in capsys.readouterr().err
+    code = main(["srh", "--model", "preset:tiny-llama", "--out", str(tmp_path / "s.json"), "--device", "cpu"])
+    assert code == 2 and "--tokenizer-from" in capsys.readouterr().err
