@@ -3,7 +3,9 @@ ephemeral ports, queried with tritonclient over HTTP and gRPC. Skipped when thos
 
 from __future__ import annotations
 
+import importlib.util
 import queue
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +14,11 @@ import numpy as np
 import pytest
 from serving_common import MAX_SEQ_LEN, SERVED, direct_text, prompt_text
 
-pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is not installed")
+if importlib.util.find_spec("pytriton") is None:  # found, not imported: only its tritonserver files are used
+    pytest.skip("nvidia-pytriton (the tritonserver binary) is not installed", allow_module_level=True)
+if int(np.__version__.split(".")[0]) >= 2 and not (Path(sys.prefix) / "triton-site").is_dir():
+    pytest.skip("numpy 2 without a numpy 1.x for the backend stub: `pip install --target $VIRTUAL_ENV/triton-site "
+                "numpy==1.26.4` (docs/serving.md)", allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed")
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is not installed")
 from tritonclient.utils import InferenceServerException  # noqa: E402

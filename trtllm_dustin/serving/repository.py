@@ -11,7 +11,17 @@ __all__ = ["MODEL_PY", "config_pbtxt", "write_model_repository"]
 
 MODEL_PY = '''"""Written by `trtllm-dustin triton-repo`; the model itself lives in the installed trtllm_dustin."""
 
-from trtllm_dustin.serving.triton_model import TritonPythonModel
+import sys
+from pathlib import Path
+
+# The Python backend stub of Triton 2.51 (nvidia-pytriton 0.7.0) garbles BYTES tensors under numpy 2. Where the
+# environment has numpy 2, a numpy 1.x installed with `pip install --target $VIRTUAL_ENV/triton-site
+# numpy==1.26.4` goes first on this process's path (the stub ignores PYTHONPATH); see docs/serving.md.
+_SITE = Path(sys.prefix) / "triton-site"
+if _SITE.is_dir():
+    sys.path.insert(0, str(_SITE))
+
+from trtllm_dustin.serving.triton_model import TritonPythonModel  # noqa: E402
 
 __all__ = ["TritonPythonModel"]
 '''
