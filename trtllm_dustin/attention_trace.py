@@ -27,7 +27,8 @@ from tqdm import tqdm
 from trtllm_dustin.attention import AttentionBackend, get_backend
 from trtllm_dustin.attention_probe import capture_queries
 from trtllm_dustin.config import ConfigError
-from trtllm_dustin.data.windows import training_windows
+from trtllm_dustin.data import split_documents
+from trtllm_dustin.data.windows import token_windows
 from trtllm_dustin.dustin_config import LayerHeads
 from trtllm_dustin.models.decoder import Transformer
 
@@ -130,16 +131,24 @@ class AttentionTrace:
 
 
 def validation_windows(tokenizer: object, settings: TraceSettings) -> list[tuple[str, list[int]]]:
-    """`documents` windows of `window` tokens from the validation split, one per document, sources taken in turn."""
-    per_source = [list(training_windows(tokenizer, settings.window, split="validation", sources=[source],
-                                        max_per_document=1)) for source in settings.sources]
+    """`documents` windows of `window` tokens from the validation split: the prefix of one document per work (two
+    editions of a play would be near-copies), sources taken in turn."""
+    per_source = []
+    for source in settings.sources:
+        seen: set[str] = set()
+        documents = []
+        for document in split_documents("validation", [source]):
+            if document.split_key not in seen:
+                seen.add(document.split_key)
+                documents.append(document)
+        per_source.append(list(token_windows(documents, tokenizer, settings.window, max_per_document=1)))
     chosen: list[tuple[str, list[int]]] = []
     for i in range(max((len(w) for w in per_source), default=0)):
         for windows in per_source:
             if i < len(windows) and len(chosen) < settings.documents:
                 chosen.append((windows[i].doc_id, list(windows[i].tokens)))
     if len(chosen) < settings.documents:
-        raise ConfigError(f"the validation split of {list(settings.sources)} has {len(chosen)} documents of "
+        raise ConfigError(f"the validation split of {list(settings.sources)} has {len(chosen)} works of "
                           f"{settings.window}+ tokens, fewer than the {settings.documents} asked; lower --window or "
                           "--documents, or add sources")
     return chosen

@@ -3,6 +3,7 @@ SRH score heat maps. Each takes plain numbers, so a plot can be redrawn from a c
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -19,6 +20,10 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _title(ax, title: str) -> None:
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -47,7 +52,7 @@ def plot_arr_vs_budget(budgets: Sequence[int], curves: Mapping[str, Sequence[flo
     ax.set_xticks(list(budgets), [str(b) for b in budgets])
     ax.set_xlabel("KV cache budget k (tokens)")
     ax.set_ylabel("windowed ARR (Eq. 4)")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, path)
@@ -64,7 +69,7 @@ def plot_layerwise(series: Mapping[str, tuple[Sequence[int], Sequence[float], in
         ax.plot(depth, values, "-o", markersize=3, color=colors.get(label[:1], None), label=label)
     ax.set_xlabel("relative layer depth (layer / (layers - 1)) of the scoring layer")
     ax.set_ylabel("windowed ARR (Eq. 4)")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, path)
@@ -77,7 +82,7 @@ def plot_arr_kl(arr: Sequence[float], kl: Sequence[float], path: str | Path, tit
     ax.set_xlabel("ARR (all heads, mean over generated steps)")
     ax.set_ylabel("KL(p_full || p_sparse), nats")
     ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -91,5 +96,5 @@ def plot_srh_scores(scores: Sequence[Sequence[float | None]], path: str | Path, 
     fig.colorbar(image, ax=ax, label="mean needle mass per counted test")
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     return _save(fig, path)
