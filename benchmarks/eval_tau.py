@@ -1,8 +1,8 @@
 """Mean accepted length tau of a target/draft pair on held-out text: books (Gutenberg) and code (CPython stdlib).
 
 Each prompt is the first --context tokens of a test-split document (the final report is the only reader of that
-split); the pair then generates --new-tokens greedily with --method (Classic SD by default) at Γ = --gamma, and tau is the mean number of
-tokens committed per sequence per round. Runs on the CPU or the GPU.
+split); the pair then generates --new-tokens greedily with --method (Classic SD by default) at Γ = --gamma, and
+tau is the mean number of tokens committed per sequence per round. Runs on the CPU or the GPU.
 
     python benchmarks/eval_tau.py --draft path/to/checkpoint --context 4096 --docs 8
 """
