@@ -18,14 +18,19 @@ __all__ = ["Provenance", "describe_machine", "git_sha"]
 
 
 def git_sha() -> str:
-    """HEAD of the checkout this package runs from; $GIT_SHA where the tree was copied without .git."""
+    """HEAD of the checkout this package runs from (+dirty when trtllm_dustin/ differs from it); $GIT_SHA where the
+    tree was copied without .git."""
     if os.environ.get("GIT_SHA"):
         return os.environ["GIT_SHA"]
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=here).stdout.strip()
+        # The package's own sources differing from HEAD means the SHA alone does not name the code that ran.
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(here)], cwd=here).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return sha + ("+dirty(trtllm_dustin/)" if dirty else "")
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
