@@ -18,6 +18,14 @@ from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.speculative import SpeculativeResult
 from trtllm_dustin.runtime.vanilla import GenerationConfig
+from trtllm_dustin.search_cli import (
+    add_arr_arguments,
+    add_search_arguments,
+    add_srh_arguments,
+    arr_command,
+    search_command,
+    srh_command,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -84,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--chat-template", action="store_true", help="wrap text_input in the tokenizer's chat template")
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
     repo.set_defaults(func=_triton_repo)
+
+    for name, add_arguments, command, text in (
+            ("srh", add_srh_arguments, srh_command, "identify semantic retrieval heads (needle-in-a-haystack)"),
+            ("arr", add_arr_arguments, arr_command, "ARR analysis: policies vs budget, layer-wise, ARR-KL"),
+            ("search", add_search_arguments, search_command, "Algorithm 1: write a target-draft pair's Dustin config")):
+        command_parser = sub.add_parser(name, help=text)
+        add_arguments(command_parser)
+        command_parser.set_defaults(func=command)
 
     prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation")
     prep.add_argument("--out", type=Path, required=True, help="output .npy (uint16 [windows, seq_len])")
