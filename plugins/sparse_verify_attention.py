@@ -23,6 +23,7 @@ from .split_kv import (
     online_softmax_update,
     pick_num_splits,
     runs_triton,
+    store_split_result,
     tile_dot,
 )
 
@@ -99,19 +100,8 @@ def _sparse_verify_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
 
-    if DIRECT_OUTPUT:
-        out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        lse_off = (b * T + t_row) * num_heads + head
-        tl.store(lse_ptr + lse_off, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    else:
-        rows = batch * T * num_heads
-        row = (b * T + t_row) * num_heads + head
-        part_off = (split * rows + row).to(tl.int64) * HEAD_DIM
-        tl.store(o_part_ptr + part_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(ml_part_ptr + split * rows + row, m_i, mask=row_ok)
-        tl.store(ml_part_ptr + (num_splits + split) * rows + row, l_i, mask=row_ok)
+    store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
+                       split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
 
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,

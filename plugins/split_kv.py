@@ -23,6 +23,7 @@ __all__ = [
     "online_softmax_update",
     "pick_num_splits",
     "runs_triton",
+    "store_split_result",
     "tile_dot",
 ]
 
@@ -96,6 +97,27 @@ def online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_MODE)
     return m_new, l_i, acc
+
+
+@triton.jit
+def store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
+                       split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh,
+                       HEAD_DIM: tl.constexpr, DIRECT_OUTPUT: tl.constexpr):
+    """A program's result for its query rows: with one split, the normalised output and the natural-log lse;
+    otherwise the unnormalised partial output and its running max / denominator for combine_splits."""
+    if DIRECT_OUTPUT:
+        out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        lse_off = (b * T + t_row) * num_heads + head
+        tl.store(lse_ptr + lse_off, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    else:
+        rows = batch * T * num_heads
+        row = (b * T + t_row) * num_heads + head
+        part_off = (split * rows + row).to(tl.int64) * HEAD_DIM
+        tl.store(o_part_ptr + part_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_part_ptr + split * rows + row, m_i, mask=row_ok)
+        tl.store(ml_part_ptr + (num_splits + split) * rows + row, l_i, mask=row_ok)
 
 
 @triton.jit
