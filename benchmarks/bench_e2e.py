@@ -128,8 +128,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                 for profile in (False, True):
                     tcache.seqlens.fill_(context)
                     dcache.seqlens.fill_(context)
-                    if hasattr(decoder, "after_prefill"):
-                        decoder.after_prefill({}, batch)  # sparse drafting starts from StreamingLLM's set
+                    decoder.after_prefill({}, batch)  # no prefill here: sparse drafting starts from StreamingLLM
                     state = decoder.start(tokens, tokens, batch, config)
                     for _ in range(2):  # warm-up (JIT, graph capture on first use)
                         decoder.round(state, config, PhaseTimer(False, device))

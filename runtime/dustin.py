@@ -57,9 +57,8 @@ class Dustin(SpeculativeDecoder):
             self.history_q[layer][:batch, 0] = q
 
     def after_commit(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
-        rows = torch.arange(accepted.shape[0], device=accepted.device)
         for layer, q in self.verify_q.items():  # the query at L + a, the new last committed position
-            self.history_q[layer].copy_(torch.where(active[:, None, None, None], q[rows, accepted][:, None],
+            self.history_q[layer].copy_(torch.where(active[:, None, None, None], q[self.rows, accepted][:, None],
                                                     self.history_q[layer]))
 
     def estimate(self) -> None:

@@ -86,6 +86,8 @@ class SpeculativeDecoder:
         self.draft_tokens = torch.zeros(B, gamma, dtype=torch.long, device=self.device)
         self.draft_probs = torch.zeros(B, gamma, V, dtype=torch.float32, device=self.device)
         self.verify_tokens = torch.zeros(B, gamma + 1, dtype=torch.long, device=self.device)
+        self.positions = torch.arange(gamma + 1, device=self.device)  # offsets of a round's Γ+1 tokens
+        self.rows = torch.arange(B, device=self.device)  # batch-slot index, for per-slot gathers
         self.indices: torch.Tensor | None = None  # int32 [B, k] verification set, for sparse methods
         # Benchmarks with random weights only: P(accepted = n), n = 0..Γ. Verification still runs in full; only its
         # verdict is replaced by a draw from this stated distribution (random weights accept nothing useful).
@@ -216,8 +218,7 @@ class SpeculativeDecoder:
 
     def commit(self, state: DecodeState, accepted: torch.Tensor, nxt: torch.Tensor, max_new_tokens: int) -> None:
         """Append the accepted drafts and the target's token, cut at EOS and max_new_tokens; advance the caches."""
-        gamma, active = self.gamma, state.active
-        positions = torch.arange(gamma + 1, device=self.device)
+        gamma, active, positions = self.gamma, state.active, self.positions
         round_tokens = torch.cat([self.draft_tokens, self.draft_tokens[:, :1]], dim=1)
         round_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [B, Γ+1]; past a+1: junk
         committed = accepted + 1

@@ -29,15 +29,21 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_logits_match_transformers(checkpoint, device: torch.device) -> None:
+def both_logits(checkpoint, prompt: list[int], device: torch.device, dtype: torch.dtype):
+    """(ours, transformers') logits [T, V] of one prompt, ours loaded from the saved checkpoint in `dtype`."""
     hf, path = checkpoint
-    model = load_model(str(path), device=device, dtype=torch.float32).model
-    tokens = torch.tensor(PROMPTS[0])[None]
+    model = load_model(str(path), device=device, dtype=dtype).model
+    tokens = torch.tensor(prompt)[None]
     with torch.no_grad():
         expected = hf(tokens).logits[0]
-    cache = KVCache.allocate(model.config, 1, 64, torch.float32, device)
+    cache = KVCache.allocate(model.config, 1, 64, dtype, device)
     with torch.inference_mode():
         got = model(tokens.to(device), cache, AttentionMetadata(cache.seqlens), get_backend("reference"))[0].cpu()
+    return got, expected
+
+
+def test_logits_match_transformers(checkpoint, device: torch.device) -> None:
+    got, expected = both_logits(checkpoint, PROMPTS[0], device, torch.float32)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
@@ -53,14 +59,7 @@ def test_greedy_tokens_match_transformers_generate(checkpoint, device: torch.dev
 
 def test_bf16_logits_close_to_fp32(checkpoint, device: torch.device) -> None:
     """The serving dtype: bf16 logits stay within a stated tolerance of the fp32 reference."""
-    hf, path = checkpoint
-    model = load_model(str(path), device=device, dtype=torch.bfloat16).model
-    tokens = torch.tensor(PROMPTS[2])[None]
-    with torch.no_grad():
-        expected = hf(tokens).logits[0]
-    cache = KVCache.allocate(model.config, 1, 64, torch.bfloat16, device)
-    with torch.inference_mode():
-        got = model(tokens.to(device), cache, AttentionMetadata(cache.seqlens), get_backend("reference"))[0].cpu()
+    got, expected = both_logits(checkpoint, PROMPTS[2], device, torch.bfloat16)
     scale = expected.abs().max()
     assert (got - expected).abs().max() <= 0.05 * scale  # bf16 has 8 mantissa bits over 3 layers
 
