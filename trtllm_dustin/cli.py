@@ -14,6 +14,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
+from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.speculative import SpeculativeResult
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attention backend (default: triton on cuda, reference on cpu)")
     gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
     gen.add_argument("--method", choices=list(METHODS), default="vanilla", help="decoding method")
-    gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model)")
+    gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model; "
+                     "default with the default model: its packaged distilled draft)")
     gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     gen.add_argument("--dustin-config", type=Path, default=None,
@@ -114,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in (("steps", 2000), ("seq-len", 2048), ("batch-size", 8), ("seed", 0)):
         train.add_argument(f"--{name}", type=int, default=default)
     train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--init-layers", default="0,10,20,29",
+                       help="target blocks the draft starts from, comma-separated (empty: from scratch, --draft-shape)")
+    train.add_argument("--head-vocab", type=int, default=16384,
+                       help="output rows of a layer-subset draft: the most frequent train ids (0: whole vocabulary)")
+    train.add_argument("--draft-shape", default="smollm2-draft-random", help="preset shape of a from-scratch draft")
     train.add_argument("--device", default=None)
     train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
     train.set_defaults(func=_train_draft)
@@ -133,8 +140,10 @@ def _train_draft(args: argparse.Namespace) -> int:
     from trtllm_dustin.distill import DistillConfig, train_draft
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    layers = tuple(int(i) for i in args.init_layers.split(",") if i.strip())
     cfg = DistillConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                        seed=args.seed, warmup=min(100, args.steps // 10))
+                        seed=args.seed, warmup=min(100, args.steps // 10), init_layers=layers,
+                        head_vocab=args.head_vocab if layers else 0, draft_shape=args.draft_shape)
     record = train_draft(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                          max_seconds=args.max_seconds)
     print(json.dumps(record, indent=2))
@@ -185,8 +194,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
                           "this target/draft pair with `trtllm-dustin search`")
     if speculative and args.draft is None:
-        raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
-    draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1).model if speculative else None
+        if args.model not in (None, DEFAULT_MODEL):
+            raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
+        args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
+    draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1,
+                       share_with=loaded.model).model if speculative else None
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"))
     decoder = build_decoder(args.method, MethodSetup(
         target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),

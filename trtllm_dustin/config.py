@@ -67,6 +67,9 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 has biases on q, k and v projections
     bos_token_id: int | None = None  # prepended by the tokenizer, if any
     eos_token_ids: tuple[int, ...] = ()  # generation stops on any of these
+    # A draft may predict only the `head_vocab_size` most frequent ids of the vocabulary (its output matrix has that
+    # many rows; the model's `head_ids` buffer maps them to vocabulary ids; every other id gets -inf). 0: all ids.
+    head_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -79,6 +82,11 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; GQA needs it")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not isinstance(self.head_vocab_size, int) or not 0 <= self.head_vocab_size < self.vocab_size:
+            raise ConfigError(f"head_vocab_size={self.head_vocab_size!r} must be 0 (all ids) or in "
+                              f"[1, vocab_size={self.vocab_size})")
+        if self.head_vocab_size and self.tie_word_embeddings:
+            raise ConfigError("head_vocab_size > 0 needs its own output matrix: set tie_word_embeddings=False")
         if isinstance(self.rope_scaling, dict):  # from JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -88,16 +96,28 @@ class ModelConfig:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
-    def num_parameters(self) -> int:
-        """Parameter count, for memory estimates."""
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder block (attention, SwiGLU, two norms)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def output_rows(self) -> int:
+        """Rows of the output matrix: the vocabulary, or the subset a draft's head predicts."""
+        return self.head_vocab_size or self.vocab_size
+
+    def num_parameters(self) -> int:
+        """Parameter count (input embedding, blocks, final norm, a separate output matrix), for memory estimates."""
+        output = 0 if self.tie_word_embeddings else self.output_rows()
+        return self.num_layers * self.layer_parameters() + (self.vocab_size + output) * self.hidden_size + \
+            self.hidden_size
+
+    def weight_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Weight bytes one decode step reads: every block, the final norm and the output matrix (the input embedding
+        is a row lookup, negligible)."""
+        return (self.num_layers * self.layer_parameters() + (self.output_rows() + 1) * self.hidden_size) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V bytes of one cached token over all layers."""
@@ -150,6 +170,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=RopeScaling.from_hf(rope_params),
             max_position_embeddings=hf_config.max_position_embeddings,
+            head_vocab_size=int(getattr(hf_config, "dustin_head_vocab_size", 0) or 0),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             bos_token_id=getattr(hf_config, "bos_token_id", None),

@@ -118,7 +118,7 @@ def _load_pair(args: argparse.Namespace, device: torch.device) -> tuple[LoadedMo
     target = load_model(args.target, device=device, seed=args.seed)
     if target.tokenizer is None:
         raise ConfigError(f"the target {target.source} has no tokenizer; the validation windows need one")
-    draft = load_model(args.draft, device=device, seed=args.seed + 1) if args.draft else None
+    draft = load_model(args.draft, device=device, seed=args.seed + 1, share_with=target.model) if args.draft else None
     if draft is not None and draft.model.config.vocab_size != target.model.config.vocab_size:
         raise ConfigError(f"draft vocabulary ({draft.model.config.vocab_size}) differs from the target's "
                           f"({target.model.config.vocab_size}); the pair must share a tokenizer")

@@ -97,8 +97,10 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        rows = config.head_vocab_size or config.vocab_size
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        # Vocabulary ids of the output rows when the model predicts a subset of the vocabulary (a draft's head).
+        self.register_buffer("head_ids", torch.arange(config.head_vocab_size) if config.head_vocab_size else None)
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -126,13 +128,21 @@ class Transformer(nn.Module):
             h = h + block.feed_forward(block.ffn_norm(h))
         if logit_index is not None:
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
-        logits = F.linear(self.norm(h), self.output_weight()).float()
+        logits = self.full_vocab(F.linear(self.norm(h), self.output_weight()).float())
         return logits[:, 0] if logit_index is not None else logits
 
-    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Causal forward over whole sequences without a cache, with autograd: tokens [B, T] -> logits [B, T, V].
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the output rows -> over the whole vocabulary (-inf for ids outside a subset head)."""
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_ids, logits)
 
-        For training (draft distillation); the same modules as `forward`, positions 0..T-1.
+    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Causal forward over whole sequences without a cache, with autograd: tokens [B, T] -> logits [B, T, R].
+
+        For training (draft distillation); the same modules as `forward`, positions 0..T-1. R is the output rows:
+        the vocabulary, or the head_vocab_size ids of `head_ids` for a subset head (no -inf padding here).
         """
         if self.rope_cos is None:
             self.setup_rope()

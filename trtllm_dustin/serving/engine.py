@@ -118,7 +118,8 @@ class ServingEngine:
         dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
         speculative = any(m != "vanilla" for m in config.methods)
-        draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1).model \
+        draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
+                           share_with=loaded.model).model \
             if speculative else None
         backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"))
         batchers = {}
