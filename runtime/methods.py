@@ -10,6 +10,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.runtime.baselines import BASELINE_METHODS
 from trtllm_dustin.runtime.classic import ClassicSD
 from trtllm_dustin.runtime.dustin import Dustin
 from trtllm_dustin.runtime.dustin_sparse_draft import DustinSparseDraft
@@ -59,6 +60,7 @@ METHODS: dict[str, Callable[[MethodSetup], VanillaDecoder | SpeculativeDecoder]]
     "dustin-t": _dustin("t"),
     "dustin-d": _dustin("d"),
     "dustin-h-sparse-draft": _dustin("h", DustinSparseDraft),
+    **BASELINE_METHODS,  # streamingllm, snapkv, quest (sparse-verification baselines), dustin-h-adaptive
 }
 
 
