@@ -1,0 +1,442 @@
+"""What sparse verification costs in quality: every method verifies the same draft's Γ tokens with budget k (issue 7).
+
+Methods: classic (FullKV speculative decoding, the lossless reference), dustin-h/-t/-d, dustin-h-adaptive (input-aware
+m), and the baselines streamingllm, snapkv, quest (runtime/baselines.py), each at every --budgets k; dustin-h is also
+swept over m = fraction x (k - sinks - recent) for --m-sweep, whose best per task is the oracle m.
+
+Tasks (test split only, benchmarks/quality_tasks.py): books (teacher-forced next-token accuracy and KL(full || sparse)
+along the held-out text, greedy tau of a free run), code (next-line exact match, edit similarity), needle (RULER-style
+single / multikey / multivalue retrieval, string match) and vt (variable tracking, string match). 95% CIs: Wilson for
+0/1 metrics, percentile bootstrap over samples otherwise (over batches for tau).
+
+Each batch is prefilled once; every method then starts from the same caches (decoding writes only past the prompt;
+the draft's cache is restored before each method), so methods differ only in their verification sets.
+
+    python benchmarks/eval_quality.py --draft preset:smollm2-draft-random --ignore-fingerprints   # reduced, CPU
+    python benchmarks/eval_quality.py --save-tasks .carry/quality_tasks.json --contexts 4096 8192 --samples 60
+    python benchmarks/eval_quality.py --tasks-file .carry/quality_tasks.json --draft smollm2-draft \\
+        --contexts 4096 8192 --samples 60 --out benchmarks/results/quality/quality_h200.json           # GPU
+
+Writes JSON (every sample's metrics), a markdown table beside it (.md) and a plot of accuracy vs budget (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import RESULTS, environment, save_json
+from quality_tasks import TASKS, Sample, as_dict, build_samples, sample_from_dict, score
+
+from trtllm_dustin.arr import scaled_m
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.baselines import SelectionVerifier
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
+from trtllm_dustin.runtime.prefill import prefill
+from trtllm_dustin.runtime.speculative import SpeculativeDecoder
+from trtllm_dustin.runtime.vanilla import GenerationConfig
+
+DEFAULT_METHODS = ["classic", "dustin-h", "dustin-t", "dustin-d", "dustin-h-adaptive", "streamingllm", "snapkv",
+                   "quest"]
+BASELINES = ("streamingllm", "snapkv", "quest")
+PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match"}
+ORACLE_METRIC = {"books": ("kl", -1), "code": ("edit_similarity", 1), "needle": ("string_match", 1),
+                 "vt": ("string_match", 1)}  # (metric, sign): the oracle m maximises sign * metric
+PREFILL_CHUNK = 1024
+
+
+# ---- confidence intervals -------------------------------------------------------------------------------------------
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def bootstrap(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    data = np.asarray(values, dtype=np.float64)
+    means = data[np.random.default_rng(seed).integers(0, len(data), (resamples, len(data)))].mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarise(values: list[float]) -> dict:
+    binary = all(v in (0.0, 1.0) for v in values)
+    lo, hi = wilson(sum(values), len(values)) if binary else bootstrap(values)
+    return {"mean": float(np.mean(values)) if values else float("nan"), "ci95": [lo, hi], "n": len(values),
+            "ci": "wilson" if binary else "bootstrap"}
+
+
+# ---- one batch, prefilled once -----------------------------------------------------------------------------------
+@dataclass
+class Prefilled:
+    prompts: list[list[int]]
+    lens: torch.Tensor  # int32 [B]
+    tcache: KVCache  # the prompts' target K/V; decoding only ever writes past them
+    dcache: KVCache  # the draft's prefill, copied into `draft_work` before each method
+    draft_work: KVCache
+    first_logits: torch.Tensor  # [B, V] the target's prediction of the first new token (full attention)
+    last_queries: dict[int, torch.Tensor]  # every target layer's query of the last prompt token
+
+
+@torch.inference_mode()
+def prefill_batch(target, draft, prompts: list[list[int]], max_len: int, dtype, device, backend) -> Prefilled:
+    B = len(prompts)
+    tcache = KVCache.allocate(target.config, B, max_len, dtype, device)
+    dcache = KVCache.allocate(draft.config, B, max_len, dtype, device)
+    logits, queries = prefill(target, tcache, backend, prompts, PREFILL_CHUNK, tuple(range(target.config.num_layers)))
+    prefill(draft, dcache, backend, prompts, PREFILL_CHUNK)
+    work = KVCache(dcache.k.clone(), dcache.v.clone(), dcache.seqlens.clone())
+    return Prefilled(prompts, tcache.seqlens.clone(), tcache, dcache, work, logits, queries)
+
+
+def _teacher_round(decoder: SpeculativeDecoder, state, config: GenerationConfig, teacher: torch.Tensor,
+                   logprobs: torch.Tensor) -> None:
+    """A round whose drafts are checked against the true continuation instead of the target's choice.
+
+    teacher [B, n + Γ + 1] (the continuation, -1 padded): the accepted prefix is the drafts that equal it, the committed
+    token is the true one, so the sequence follows the text whatever the method; the target's log-probabilities at
+    the verified positions up to the first mismatch (exactly one per position of the text) go to logprobs [B, n, V].
+    """
+    gamma, n = decoder.gamma, logprobs.shape[1]
+    decoder.draft_tokens_for_round(config, state.generator)
+    if decoder.indices is not None:
+        decoder.estimate()
+        decoder.select()
+    logits = decoder._verify_forward()  # [B, Γ+1, V]: slot i predicts text position generated + i
+    cols = state.generated[:, None] + decoder.positions[None]  # [B, Γ+1]
+    truth = teacher.gather(1, cols)
+    accepted = (decoder.draft_tokens == truth[:, :gamma]).long().cumprod(1).sum(1)
+    keep = (decoder.positions[None] <= accepted[:, None]) & (cols < n) & state.active[:, None]
+    logprobs[keep.nonzero(as_tuple=True)[0], cols[keep]] = torch.log_softmax(logits.float(), -1)[keep]
+    decoder.commit(state, accepted, truth.gather(1, accepted[:, None])[:, 0].clamp_min(0), n)
+
+
+@torch.inference_mode()
+def decode(decoder: SpeculativeDecoder, pre: Prefilled, new_tokens: int, teacher: list[list[int]] | None = None
+           ) -> dict:
+    """Greedy decoding from the shared prefill (or teacher-forced along `teacher`): tokens, hist, log-probs, m."""
+    B, device = len(pre.prompts), pre.lens.device
+    decoder.tcache.seqlens.copy_(pre.lens)
+    pre.draft_work.k.copy_(pre.dcache.k)
+    pre.draft_work.v.copy_(pre.dcache.v)
+    pre.draft_work.seqlens.copy_(pre.lens)
+    if isinstance(decoder, SelectionVerifier):
+        decoder.observe_prompts(pre.prompts)
+    decoder.after_prefill({layer: pre.last_queries[layer] for layer in decoder.target_capture_layers}, B)
+    config = GenerationConfig(max_new_tokens=new_tokens, eos_token_ids=(), prefill_chunk=PREFILL_CHUNK)
+    prev = torch.tensor([p[-1] for p in pre.prompts], device=device)
+    logprobs = forced = None
+    if teacher is None:
+        first = decoder._shared(pre.first_logits.clone()).argmax(-1)
+    else:
+        forced = torch.full((B, new_tokens + decoder.gamma + 1), -1, dtype=torch.long, device=device)
+        forced[:, :new_tokens] = torch.tensor(teacher, device=device)
+        first = forced[:, 0]
+        logprobs = torch.full((B, new_tokens, pre.first_logits.shape[-1]), float("nan"), device=device)
+        logprobs[:, 0] = torch.log_softmax(decoder._shared(pre.first_logits.clone()).float(), -1)
+    state = decoder.start(first, prev, B, config)
+    timer, m_used = PhaseTimer(False, device), []
+    for _ in range(new_tokens):
+        active = state.active.clone()
+        if teacher is None:
+            decoder.round(state, config, timer)
+        else:
+            _teacher_round(decoder, state, config, forced, logprobs)
+        if hasattr(decoder, "m_per_sequence"):  # dustin-h-adaptive: the m each active sequence used
+            m_used.extend(decoder.m_per_sequence[active].tolist())
+        if not bool(state.active.any()):  # evaluation, not timing: one host sync per round is fine
+            break
+    tokens = [[t for t in row if t >= 0] for row in state.out[:, :new_tokens].tolist()]
+    return {"tokens": tokens, "hist": state.hist.tolist(), "logprobs": logprobs, "m_used": m_used}
+
+
+def book_metrics(method_lp: torch.Tensor, full_lp: torch.Tensor, truth: list[int]) -> dict[str, float]:
+    """Over the verified positions 1..n-1 (position 0 comes from the shared full prefill)."""
+    m, f = method_lp[1:], full_lp[1:]
+    p_full = f.exp()
+    kl = torch.where(p_full > 0, p_full * (f - m), 0.0).sum(-1)  # KL(full || sparse) per position
+    target = torch.tensor(truth[1:], device=m.device)
+    return {"accuracy": float((m.argmax(-1) == target).float().mean()), "kl": float(kl.mean()),
+            "top1_agreement": float((m.argmax(-1) == f.argmax(-1)).float().mean())}
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    key: str  # name in the results: the method, or dustin-h@m=<fraction> for the sweep
+    method: str
+    budget: int | None  # None: full verification
+    m_fraction: float | None = None
+
+
+def variants(methods: list[str], budgets: list[int], sweep: list[float]) -> list[Variant]:
+    out = [Variant("classic", "classic", None)] if "classic" in methods else []
+    for k in budgets:
+        out += [Variant(m, m, k) for m in methods if m != "classic"]
+        out += [Variant(f"dustin-h@m={f:g}", "dustin-h", k, f) for f in sweep]
+    return out
+
+
+def dustin_for(base: DustinConfig | None, variant: Variant) -> DustinConfig | None:
+    """The Dustin config at the variant's budget: m carried over as the same share of the free slots, or swept."""
+    if base is None or variant.budget is None:
+        return base
+    protected = base.n_sink + base.n_recent
+    free = variant.budget - protected
+    m = (round(variant.m_fraction * free) if variant.m_fraction is not None
+         else scaled_m(base.m, variant.budget, base.budget, protected))
+    return replace(base, budget=variant.budget, m=m)
+
+
+def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, samples: dict[tuple[str, int], list[Sample]],
+             device, dtype) -> list[dict]:
+    backend = get_backend("triton" if device.type == "cuda" else "reference")
+    records = []
+    for (task, context), task_samples in samples.items():
+        new_tokens = args.new_tokens if task == "books" else args.answer_tokens
+        for i in range(0, len(task_samples), args.batch_size):
+            batch = task_samples[i: i + args.batch_size]
+            prompts = [s.prompt for s in batch]
+            max_len = max(len(p) for p in prompts) + new_tokens + args.gamma + 8
+            pre = prefill_batch(target, draft, prompts, max_len, dtype, device, backend)
+            full_lp = None
+            for variant in variants(args.methods, args.budgets, args.m_sweep):
+                t0 = time.perf_counter()
+                setup = MethodSetup(target=target, target_cache=pre.tcache, backend=backend, draft=draft,
+                                    draft_cache=pre.draft_work, gamma=args.gamma,
+                                    draft_budget=variant.budget or 512, dustin=dustin_for(dustin, variant),
+                                    use_cuda_graph=False)
+                decoder = build_decoder(variant.method, setup)
+                free = decode(decoder, pre, new_tokens)
+                per_sample = []
+                if task == "books":
+                    forced = decode(decoder, pre, new_tokens, teacher=[s.continuation for s in batch])
+                    if variant.method == "classic":
+                        full_lp = forced["logprobs"]
+                    if full_lp is None:
+                        raise SystemExit("books needs classic (the FullKV reference) in --methods, listed first")
+                    per_sample = [book_metrics(forced["logprobs"][b], full_lp[b], s.continuation)
+                                  for b, s in enumerate(batch)]
+                else:
+                    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in free["tokens"]]
+                    per_sample = [score(s, text) for s, text in zip(batch, texts, strict=True)]
+                    for metrics, text in zip(per_sample, texts, strict=True):
+                        metrics["output"] = text
+                hist = free["hist"]
+                records.append({"task": task, "context": context, "key": variant.key, "method": variant.method,
+                                "budget": variant.budget, "m_fraction": variant.m_fraction,
+                                "m": decoder.cfg.m if hasattr(decoder, "cfg") else None,
+                                "m_used_mean": float(np.mean(free["m_used"])) if free["m_used"] else None,
+                                "committed_hist": hist, "samples": [s.sample_id for s in batch],
+                                "kinds": [s.kind for s in batch], "per_sample": per_sample,
+                                "seconds": time.perf_counter() - t0})
+                tau = sum((n + 1) * c for n, c in enumerate(hist)) / max(sum(hist), 1)
+                print(f"{task:6s} {context:5d} {variant.key:22s} k={variant.budget or 'full'!s:4s} tau {tau:.2f} "
+                      + " ".join(f"{m} {np.mean([x[m] for x in per_sample]):.3f}" for m in per_sample[0]
+                                 if m != "output") + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
+            del pre
+    return records
+
+
+# ---- summary, table, plot --------------------------------------------------------------------------------------------
+def summarise_records(records: list[dict]) -> dict:
+    """(task, context, key, budget) -> metric -> {mean, ci95, n}; tau pooled over sequence-rounds."""
+    grouped = defaultdict(list)
+    for r in records:
+        grouped[(r["task"], r["context"], r["key"], r["budget"])].append(r)
+    summary = {}
+    for (task, context, key, budget), rs in grouped.items():
+        metrics = [m for m in rs[0]["per_sample"][0] if m != "output"]
+        row = {m: summarise([s[m] for r in rs for s in r["per_sample"]]) for m in metrics}
+        hists = [r["committed_hist"] for r in rs]
+        taus = [sum((n + 1) * c for n, c in enumerate(h)) / max(sum(h), 1) for h in hists]
+        pooled = [sum(col) for col in zip(*hists, strict=True)]
+        row["tau"] = {"mean": sum((n + 1) * c for n, c in enumerate(pooled)) / max(sum(pooled), 1),
+                      "ci95": list(bootstrap(taus)), "n": len(hists), "ci": "bootstrap over batches"}
+        m_used = [r["m_used_mean"] for r in rs if r["m_used_mean"] is not None]
+        row["m"] = rs[0]["m"]
+        row["m_used_mean"] = float(np.mean(m_used)) if m_used else None
+        summary[f"{task}|{context}|{key}|{budget}"] = row
+    return summary
+
+
+def _get(summary: dict, task: str, context: int, key: str, budget: int | None) -> dict | None:
+    return summary.get(f"{task}|{context}|{key}|{budget}")
+
+
+def _cell(row: dict | None, full: dict | None, task: str) -> str:
+    """'value (delta to FullKV) [95% CI]' of the task's primary metric, x 100."""
+    if row is None:
+        return "-"
+    metric = PRIMARY[task]
+    value, (lo, hi) = 100 * row[metric]["mean"], row[metric]["ci95"]
+    ci = f" [{100 * lo:.1f}, {100 * hi:.1f}]" if not math.isnan(lo) else ""
+    delta = f" ({value - 100 * full[metric]['mean']:+.1f})" if full else ""
+    return f"{value:.1f}{delta}{ci}"
+
+
+def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
+    lines = []
+    methods = [m for m in args.methods if m != "classic"]
+    for context in sorted({c for _, c in tasks_present}):
+        tasks = [t for t, c in tasks_present if c == context]
+        lines += [f"### Context {context}: {', '.join(f'{t} {PRIMARY[t]}' for t in tasks)} (x 100, delta to FullKV)",
+                  "", "| method | k | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+        full = {t: _get(summary, t, context, "classic", None) for t in tasks}
+        lines.append("| classic (FullKV) | full | " + " | ".join(_cell(full[t], None, t) for t in tasks) + " |")
+        for k in args.budgets:
+            for m in methods:
+                lines.append(f"| {m} | {k} | " + " | ".join(_cell(_get(summary, t, context, m, k), full[t], t)
+                                                           for t in tasks) + " |")
+        lines.append("")
+        if "books" in tasks:
+            lines += [f"Books at {context}: KL(full || sparse) in nats per token and greedy tau (ratio to FullKV).", "",
+                      "| method | k | KL | top-1 agreement | tau |", "|---|---|---|---|---|"]
+            base_tau = full["books"]["tau"]["mean"] if full["books"] else float("nan")
+            rows = [("classic", None)] + [(m, k) for k in args.budgets for m in methods]
+            for m, k in rows:
+                row = _get(summary, "books", context, m, k)
+                if row:
+                    lines.append(f"| {m} | {k or 'full'} | {row['kl']['mean']:.4f} | "
+                                 f"{row['top1_agreement']['mean']:.3f} | {row['tau']['mean']:.3f} "
+                                 f"({row['tau']['mean'] / base_tau:.1%}) |")
+            lines.append("")
+        if args.m_sweep and "dustin-h" in args.methods:
+            lines += [f"Input-aware m at {context}: the oracle is the best swept m for each task and budget "
+                      f"(books: lowest KL; code: edit similarity; needle, vt: string match).", "",
+                      "| task | k | fixed m | score | adaptive (mean m) | score | oracle m | score |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for t in tasks:
+                metric, sign = ORACLE_METRIC[t]
+                for k in args.budgets:
+                    fixed = _get(summary, t, context, "dustin-h", k)
+                    adaptive = _get(summary, t, context, "dustin-h-adaptive", k)
+                    sweep = [(f, _get(summary, t, context, f"dustin-h@m={f:g}", k)) for f in args.m_sweep]
+                    sweep = [(f, r) for f, r in sweep if r]
+                    if not (fixed and sweep):
+                        continue
+                    f_best, best = max(sweep, key=lambda fr: sign * fr[1][metric]["mean"])
+                    ad = (f"{adaptive['m_used_mean']:.0f} | {adaptive[metric]['mean']:.4f}" if adaptive
+                          else "- | -")
+                    lines.append(f"| {t} | {k} | {fixed['m']} | {fixed[metric]['mean']:.4f} | {ad} | {best['m']} "
+                                 f"(x{f_best:g}) | {best[metric]['mean']:.4f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, args, tasks_present: list[tuple[str, int]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks_present), figsize=(4.2 * len(tasks_present), 3.6), squeeze=False)
+    for ax, (task, context) in zip(axes[0], tasks_present, strict=True):
+        metric = PRIMARY[task]
+        full = _get(summary, task, context, "classic", None)
+        if full:
+            ax.axhline(100 * full[metric]["mean"], color="black", linestyle="--", label="FullKV (classic)")
+        for m in [m for m in args.methods if m != "classic"]:
+            rows = [(k, _get(summary, task, context, m, k)) for k in args.budgets]
+            rows = [(k, r) for k, r in rows if r]
+            if rows:
+                ax.plot([k for k, _ in rows], [100 * r[metric]["mean"] for _, r in rows], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.budgets, [str(k) for k in args.budgets])
+        ax.set_xlabel("budget k")
+        ax.set_ylabel(f"{metric} x 100")
+        ax.set_title(f"{task} @ {context}", fontsize=10)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------------------
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--draft", default=None, help="draft model (required unless --save-tasks)")
+    parser.add_argument("--dustin-config", default=str(RESULTS / "draft_smollm2" / "dustin_eval_config.json"))
+    parser.add_argument("--ignore-fingerprints", action="store_true",
+                        help="use the Dustin config with models it was not searched for (code-path runs only)")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192] if cuda else [1024])
+    parser.add_argument("--samples", "--docs", type=int, default=48 if cuda else 2, help="samples per task and context")
+    parser.add_argument("--new-tokens", type=int, default=64 if cuda else 16, help="books: trajectory length")
+    parser.add_argument("--answer-tokens", type=int, default=32 if cuda else 16, help="code/needle/vt: generated")
+    parser.add_argument("--m-sweep", type=float, nargs="*", default=[0, 0.25, 0.5, 0.75, 1] if cuda else [0, 0.5, 1],
+                        help="dustin-h's m as fractions of k - sinks - recent; the best is the oracle m")
+    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8 if cuda else 2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-tasks", type=Path, default=None, help="write the task samples (token ids) and exit")
+    parser.add_argument("--tasks-file", type=Path, default=None, help="samples from --save-tasks (no corpora needed)")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS / "quality" / ("quality.json"))
+    args = parser.parse_args()
+    if "classic" in args.methods:
+        args.methods = ["classic"] + [m for m in args.methods if m != "classic"]
+    elif "books" in args.tasks:
+        parser.error("books compares against FullKV: keep classic in --methods")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    longest = max(args.contexts) + max(args.new_tokens, args.answer_tokens) + args.gamma + 8
+    target = load_model(args.target, device=device, dtype=dtype, max_positions=longest)
+
+    if args.tasks_file:
+        stored = json.loads(args.tasks_file.read_text())
+        samples = {(t, c): [sample_from_dict(s) for s in stored[f"{t}|{c}"][: args.samples]]
+                   for t in args.tasks for c in args.contexts if f"{t}|{c}" in stored}
+    else:
+        samples = {(t, c): build_samples(t, target.tokenizer, c, args.samples, args.new_tokens, args.seed + c)
+                   for t in args.tasks for c in args.contexts}
+    for (t, c), ss in samples.items():
+        print(f"{t} @ {c}: {len(ss)} samples, prompts {min(len(s.prompt) for s in ss)}-"
+              f"{max(len(s.prompt) for s in ss)} tokens")
+    if args.save_tasks:
+        args.save_tasks.parent.mkdir(parents=True, exist_ok=True)
+        args.save_tasks.write_text(json.dumps({f"{t}|{c}": [as_dict(s) for s in ss] for (t, c), ss in samples.items()}))
+        print(f"wrote {args.save_tasks}")
+        return
+    if args.draft is None:
+        parser.error("--draft is required to evaluate")
+    draft = load_model(args.draft, device=device, dtype=dtype, max_positions=longest, share_with=target.model).model
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    if dustin is not None and args.ignore_fingerprints:
+        dustin = replace(dustin, target_fingerprint="", draft_fingerprint="")
+    if dustin is not None:
+        dustin = replace(dustin, gamma=args.gamma)
+    t0 = time.perf_counter()
+    records = evaluate(args, target.model, target.tokenizer, draft, dustin, samples, device, dtype)
+    summary = summarise_records(records)
+    present = list(samples)
+    table = markdown(summary, args, present)
+    save_json(args.out, {**environment(), "target": target.source, "draft": args.draft,
+                         "dustin_config": dustin.to_json() if dustin else None, "split": "test",
+                         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                         "seconds": time.perf_counter() - t0, "summary": summary, "records": records})
+    args.out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    plot(summary, args, present, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
