@@ -289,6 +289,28 @@ def _cell(row: dict | None, full: dict | None, task: str) -> str:
     return f"{value:.1f}{delta}{ci}"
 
 
+def _goals(summary: dict, args, context: int, tasks: list[str], full: dict) -> list[str]:
+    """The issue's acceptance goals, checked on the means (the intervals are in the table)."""
+    lines = []
+    top = max(args.budgets)
+    for t in tasks:
+        ours = _get(summary, t, context, "dustin-h", top)
+        if ours and full[t]:
+            gap = 100 * (full[t][PRIMARY[t]]["mean"] - ours[PRIMARY[t]]["mean"])
+            lines.append(f"- {t}: dustin-h at k={top} is {gap:.1f} points below FullKV (goal: <= 1): "
+                         f"{'met' if gap <= 1 else 'NOT met'}")
+        if t == "books" and ours and full[t]:
+            ratio = ours["tau"]["mean"] / full[t]["tau"]["mean"]
+            lines.append(f"- books: dustin-h tau at k={top} is {ratio:.1%} of FullKV's (goal: >= 97%): "
+                         f"{'met' if ratio >= 0.97 else 'NOT met'}")
+        worse = [(b, k) for k in args.budgets for b in BASELINES
+                 if (row := _get(summary, t, context, b, k)) and (mine := _get(summary, t, context, "dustin-h", k))
+                 and mine[PRIMARY[t]]["mean"] < row[PRIMARY[t]]["mean"]]
+        lines.append(f"- {t}: dustin-h >= every baseline at every budget: "
+                     + ("met" if not worse else "NOT met (" + ", ".join(f"{b}@{k}" for b, k in worse) + ")"))
+    return ["Goals:", "", *lines, ""]
+
+
 def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
     lines = []
     methods = [m for m in args.methods if m != "classic"]
@@ -303,6 +325,7 @@ def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
                 lines.append(f"| {m} | {k} | " + " | ".join(_cell(_get(summary, t, context, m, k), full[t], t)
                                                            for t in tasks) + " |")
         lines.append("")
+        lines += _goals(summary, args, context, tasks, full)
         if "books" in tasks:
             lines += [f"Books at {context}: KL(full || sparse) in nats per token and greedy tau (ratio to FullKV).", "",
                       "| method | k | KL | top-1 agreement | tau |", "|---|---|---|---|---|"]
