@@ -47,6 +47,19 @@ def prompts(args: argparse.Namespace, count: int) -> list[str]:
     if args.prompts == "random":
         rng = np.random.default_rng(0)
         return ["".join(chr(int(i)) for i in rng.integers(2, 257, args.prompt_tokens)) for _ in range(count)]
+    if args.prompts.endswith(".npz"):  # test-split token windows from eval_tau.py --save-prompts (no corpora needed)
+        from eval_tau import load_documents
+
+        from trtllm_dustin.models import load_model
+
+        tokenizer = load_model(args.model).tokenizer
+        docs = [d for family in load_documents(Path(args.prompts), None).values() for d in family]
+        texts = [tokenizer.decode(tokens[: args.prompt_tokens].tolist()) for _, tokens in docs
+                 if len(tokens) >= args.prompt_tokens]
+        if len(texts) < count:
+            raise SystemExit(f"only {len(texts)} documents in {args.prompts} reach --prompt-tokens "
+                             f"{args.prompt_tokens}")
+        return texts[:: max(1, len(texts) // count)][:count]
     from trtllm_dustin.data import final_report_documents, split_documents
 
     docs = final_report_documents() if args.prompts == "test" else split_documents(args.prompts)
@@ -142,7 +155,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per method")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--prompts", choices=["random", "validation", "test"], default="random")
+    p.add_argument("--prompts", default="random",
+                   help="random, validation, test (corpora installed) or a .npz from eval_tau.py --save-prompts")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--device", default="cpu")

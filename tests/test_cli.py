@@ -46,3 +46,13 @@ def test_sampled_generation_is_reproducible_with_a_seed() -> None:
     a = decoder.generate([[1, 2, 3], [4, 5]], config).tokens
     b = decoder.generate([[1, 2, 3], [4, 5]], config).tokens
     assert a == b and all(len(t) == 16 for t in a)
+
+
+def test_classic_with_no_model_arguments_runs_the_packaged_pair_on_a_long_text(capsys) -> None:
+    code = main(["generate", "--method", "classic", "--max-new-tokens", "12", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "prompt: the first 1536 tokens of" in out and "validation split" in out
+    assert "prompt 1536 tokens, generated" in out
+    tau = float(out.split("mean accepted length tau ")[1].split()[0].rstrip(","))
+    assert 1.0 <= tau <= 4.0  # Γ = 3: between 1 and Γ + 1 tokens per round

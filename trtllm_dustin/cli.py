@@ -31,6 +31,7 @@ from trtllm_dustin.search_cli import (
 __all__ = ["build_parser", "main"]
 
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
+DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None,
                      help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
     prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction)")
+    prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction; for speculative "
+                        "methods the opening of a validation-split book from the installed corpora)")
     prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file")
     prompt.add_argument("--prompt-tokens", type=int, default=None,
                         help="random prompt of this many token ids (for presets, which have no tokenizer)")
@@ -150,6 +152,23 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _long_text_prompt(tokenizer) -> list[int] | None:
+    """Speculative methods' default prompt: the opening DEFAULT_LONG_TOKENS tokens of the first validation-split
+    Gutenberg book of the installed corpora, as raw text to continue (None when the corpora are not installed)."""
+    from trtllm_dustin.data import as_encoder, split_documents
+
+    encode = as_encoder(tokenizer)
+    try:
+        for doc in split_documents("validation", ["shakespeare", "milton"]):
+            ids = list(encode(doc.text))
+            if len(ids) >= DEFAULT_LONG_TOKENS:
+                print(f"prompt: the first {DEFAULT_LONG_TOKENS} tokens of {doc.doc_id} (validation split), continued")
+                return ids[:DEFAULT_LONG_TOKENS]
+    except Exception as e:  # a missing corpus package: fall back to the short instruction
+        print(f"note: no packaged long text ({type(e).__name__}: {e}); using the short default prompt")
+    return None
+
+
 def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
     vocab = loaded.model.config.vocab_size
     if args.prompt_tokens is not None:
@@ -161,6 +180,11 @@ def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
         if not args.prompt_file.is_file():
             raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
+    elif args.prompt is None and args.method != "vanilla" and loaded.tokenizer is not None:
+        long_text = _long_text_prompt(loaded.tokenizer)
+        if long_text is not None:
+            return long_text
+        text = DEFAULT_PROMPT
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     tok = loaded.tokenizer

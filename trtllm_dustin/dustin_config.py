@@ -19,6 +19,8 @@ VARIANTS = ("h", "t", "d")  # hybrid (Eq. 6), target history only, draft lookahe
 def model_fingerprint(config: ModelConfig) -> str:
     """A short hash of a model's shape, so a config searched for one pair is not used with another."""
     shape = {k: v for k, v in asdict(config).items() if k != "name"}
+    if not shape["head_vocab_size"]:  # added later: a whole-vocabulary head keeps its earlier fingerprint
+        del shape["head_vocab_size"]
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -20,6 +20,7 @@ from trtllm_dustin.arr_kl import ARRKLSettings, arr_kl_points, summarise
 from trtllm_dustin.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
+from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL
 from trtllm_dustin.provenance import Provenance
 from trtllm_dustin.search import SearchRecord, SearchSettings, dustin_config, run_search
 from trtllm_dustin.search_plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
@@ -73,10 +74,11 @@ def srh_command(args: argparse.Namespace) -> int:
     settings = SRHSettings(context_lengths=tuple(args.lengths), depths=tuple(args.depths), needles=args.needles,
                            max_new_tokens=args.max_new_tokens, min_recall=args.min_recall,
                            heads_per_layer=args.heads_per_layer, batch=args.batch)
-    loaded = load_model(args.model, device=device, seed=args.seed)
-    tokenizer = loaded.tokenizer
-    if args.tokenizer_from is not None:
-        tokenizer = load_model(args.tokenizer_from, device="cpu").tokenizer
+    source = None  # the target: a draft's tokenizer, and the embedding a shared-embedding draft takes from it
+    if args.tokenizer_from is not None or args.model == DEFAULT_DRAFT:
+        source = load_model(args.tokenizer_from or DEFAULT_MODEL, device=device)
+    loaded = load_model(args.model, device=device, seed=args.seed, share_with=source.model if source else None)
+    tokenizer = source.tokenizer if source is not None else loaded.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{loaded.source} has no tokenizer; pass --tokenizer-from with its target model")
     result = identify_srh(loaded.model, tokenizer, settings, note=args.note)
