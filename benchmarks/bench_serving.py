@@ -175,18 +175,26 @@ def main() -> None:
         if args.url is None:
             write_model_repository(Path(tmp) / "repo", config, args.model_name)
             server = TritonServer(Path(tmp) / "repo", prepare_pytriton_server(Path(tmp) / "server"),
-                                  Path(tmp) / "server.log", start_timeout_s=900).start()
-            url = server.grpc_url
+                                  Path(tmp) / "server.log", start_timeout_s=900)
         else:
             server, url = None, args.url
         try:
-            for method in args.methods:
+            if server is not None:
+                url = server.start().grpc_url
+            for method in args.methods:  # (the server log is copied beside the results if a method fails)
                 results.append(run_method(url, args.model_name, method, args, texts))
                 r = results[-1]
                 print(f"{method:10s} {r['requests']:4d} req  {r['output_tokens_per_s']:8.1f} tok/s  TTFT p50 "
                       f"{r['ttft_ms'].get('p50', float('nan')):7.1f} p99 {r['ttft_ms'].get('p99', float('nan')):7.1f}"
                       f" ms  ITL p50 {r['inter_token_ms'].get('p50', float('nan')):6.2f} p99 "
                       f"{r['inter_token_ms'].get('p99', float('nan')):6.2f} ms  tau {r['mean_accepted_length']}")
+        except Exception:
+            if server is not None and (Path(tmp) / "server.log").is_file():
+                log = (args.out or RESULTS / "serving.json").with_suffix(".server.log")
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text((Path(tmp) / "server.log").read_text()[-200_000:])
+                print(f"server log: {log}")
+            raise
         finally:
             if server is not None:
                 server.stop()

@@ -134,7 +134,28 @@ class ServingEngine:
                 use_cuda_graph=config.use_cuda_graph))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
         codec = codec_for(loaded.tokenizer, loaded.model.config.vocab_size, config.chat_template)
-        return cls(config, batchers, codec)
+        engine = cls(config, batchers, codec)
+        if device.type == "cuda":
+            engine.warm_up()
+        return engine
+
+    def warm_up(self, timeout_s: float = 600.0) -> None:
+        """One short request per method before serving: Triton kernels compile and CUDA graphs are captured while
+        the model loads, not inside the first client's request (where a long stall makes the server's health
+        check give up on the backend process)."""
+        for method in self.batchers:
+            done, errors = threading.Event(), []
+
+            def on_chunk(chunk: ResponseChunk, done=done, errors=errors) -> None:
+                if chunk.error:
+                    errors.append(chunk.error)
+                if chunk.final:
+                    done.set()
+
+            self.submit(GenerationRequest(text="warm up " * 8, max_tokens=2 * self.config.gamma + 4, method=method),
+                        on_chunk)
+            if not done.wait(timeout_s) or errors:
+                raise RuntimeError(f"warm-up of method {method} failed: {errors or f'no answer in {timeout_s} s'}")
 
     # ---- requests ----------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_chunk: Callable[[ResponseChunk], None]) -> None:
