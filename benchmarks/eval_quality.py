@@ -396,8 +396,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--draft", default=None, help="draft model (required unless --save-tasks)")
-    parser.add_argument("--dustin-config", default=str(RESULTS / "draft_smollm2" / "dustin_eval_config.json"))
+    parser.add_argument("--draft", default="smollm2-draft", help="draft model (default: the packaged distilled one)")
+    parser.add_argument("--dustin-config", default=None,
+                        help="default: the config searched for the packaged pair (trtllm_dustin/weights/smollm2_draft)")
     parser.add_argument("--ignore-fingerprints", action="store_true",
                         help="use the Dustin config with models it was not searched for (code-path runs only)")
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
@@ -444,6 +445,10 @@ def main() -> None:
     if args.draft is None:
         parser.error("--draft is required to evaluate")
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=longest, share_with=target.model).model
+    if args.dustin_config is None and args.target is None and args.draft == "smollm2-draft":
+        from trtllm_dustin.models.loading import default_dustin_config_path
+
+        args.dustin_config = str(default_dustin_config_path())
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     if dustin is not None and args.ignore_fingerprints:
         dustin = replace(dustin, target_fingerprint="", draft_fingerprint="")
