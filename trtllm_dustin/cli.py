@@ -165,7 +165,7 @@ def _long_text_prompt(tokenizer) -> list[int] | None:
             if len(ids) >= DEFAULT_LONG_TOKENS:
                 print(f"prompt: the first {DEFAULT_LONG_TOKENS} tokens of {doc.doc_id} (validation split), continued")
                 return ids[:DEFAULT_LONG_TOKENS]
-    except Exception as e:  # a missing corpus package: fall back to the short instruction
+    except (ImportError, OSError) as e:  # a corpus package is missing (CorpusNotInstalledError): the short prompt
         print(f"note: no packaged long text ({type(e).__name__}: {e}); using the short default prompt")
     return None
 
