@@ -11,6 +11,7 @@ __all__ = ["SCHEMA_VERSION", "ConfigError", "ModelConfig", "RopeScaling"]
 SCHEMA_VERSION = 1
 
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
+HF_HEAD_KEY = "dustin_head_vocab_size"  # our key in a checkpoint's config.json: rows of a subset output head
 
 
 class ConfigError(ValueError):
@@ -170,7 +171,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=RopeScaling.from_hf(rope_params),
             max_position_embeddings=hf_config.max_position_embeddings,
-            head_vocab_size=int(getattr(hf_config, "dustin_head_vocab_size", 0) or 0),
+            head_vocab_size=int(getattr(hf_config, HF_HEAD_KEY, 0) or 0),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             bos_token_id=getattr(hf_config, "bos_token_id", None),

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.config import HF_HEAD_KEY, ConfigError, ModelConfig
 from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.presets import get_preset
@@ -32,7 +32,6 @@ DEFAULT_DRAFT = "smollm2-draft"  # the project's distilled draft for it, shipped
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DRAFT_DIR = Path(__file__).resolve().parent.parent / "weights" / "smollm2_draft"
 SHARED_KEY = "dustin_shares_target_embedding"  # config.json flag: embedding/output rows come from the target
-HEAD_KEY = "dustin_head_vocab_size"  # config.json: rows of a subset output head (0: the whole vocabulary)
 HEAD_IDS = "dustin.head_ids"  # safetensors name of a subset head's vocabulary ids
 
 
@@ -129,7 +128,7 @@ def save_hf_checkpoint(model: Transformer, directory: str | Path, max_shard_byte
              bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None)
     if shared or c.head_vocab_size:
         setattr(hf, SHARED_KEY, shared)
-        setattr(hf, HEAD_KEY, c.head_vocab_size)
+        setattr(hf, HF_HEAD_KEY, c.head_vocab_size)
     hf.save_pretrained(directory)
     params = dict(model.named_parameters())
     tensors = {}
