@@ -5,12 +5,13 @@ Invariant: selecting all of [0, L_b) reproduces full-cache verify_attention.
 CPU: runs the Triton kernel under TRITON_INTERPRET=1 on a small sweep; the full sweep needs CUDA.
 """
 
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from kernel_common import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import sparse_verify_attention, verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import sparse_verify_attention_ref  # noqa: E402
@@ -22,13 +23,6 @@ def reference(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale=None):
                                        softmax_scale)
 
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                  reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
 
 
 def make_indices(lengths, k, order):

@@ -6,12 +6,13 @@ Invariant: S sums over the context to |heads| * T minus the probability mass on 
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import srh_score, verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import srh_score_ref  # noqa: E402
@@ -37,12 +38,6 @@ def new_token_mass(q, k_cache, cache_seqlens, head_ids):
     return (probs * (positions >= lengths)).sum(dim=(1, 2, 3))
 
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                  reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 REL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
 
 

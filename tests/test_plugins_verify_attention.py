@@ -5,12 +5,13 @@ CPU: runs the Triton kernel under TRITON_INTERPRET=1 on a small sweep; the full 
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from kernel_common import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import verify_attention_ref  # noqa: E402
@@ -22,14 +23,6 @@ def reference(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
                                 return_lse=True)
 
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                  reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-# ||out - ref|| / ||ref|| and max |out - ref| / max |ref| per dtype.
-TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
 LSE_TOLERANCE = 1e-4
 
 

@@ -1,0 +1,15 @@
+"""What the kernel tests share: where they run and how close a kernel must come to its float64 reference."""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
+                                  reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# ||out - ref|| / ||ref|| and max |out - ref| / max |ref| per dtype (attention outputs).
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
