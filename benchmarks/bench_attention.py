@@ -28,6 +28,7 @@ import triton
 
 from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
 from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+from trtllm_dustin.plugins.srh_score import srh_score_forward
 from trtllm_dustin.plugins.verify_attention import verify_attention_forward
 
 COPY_CEILING_TBS = 4.26  # measured device-to-device copy, bytes read + written (shared/GPU.md)
@@ -193,29 +194,52 @@ def bench_estimator(pair, batch, length, target_cache, full_ms, generator, repla
     s_target = torch.empty(batch, s_max, device="cuda")
     s_draft = torch.empty(batch, s_max, device="cuda")
     _, lse_target = verify_attention(q_target, target_cache, target_cache, seqlens, return_lse=True)
+    scale_target = 1 / math.sqrt(target.head_dim)
 
-    def target_two_pass():
+    def target_two_pass():  # recomputes the scores from K: two reads of K, nothing per head stored
+        srh_score_forward(q_target, target_cache, seqlens, target_heads, None, scale_target, s_target, False,
+                          raw_scores=False)
+
+    def target_raw():  # the default without lse: one read of K, the 4 heads' score rows kept (fp32)
         srh_score(q_target, target_cache, seqlens, target_heads, out=s_target)
 
     def target_one_pass():
         srh_score(q_target, target_cache, seqlens, target_heads, lse=lse_target, out=s_target)
 
-    def draft_scores():
+    def draft_scores():  # lse from drafting (the draft's attention over [0, L + t] for its Γ queries)
         for i, (q_draft, k_draft, lse) in enumerate(draft_layers):
             srh_score(q_draft, k_draft, seqlens, draft_heads, lse=lse, out=s_draft, accumulate=i > 0)
 
+    def draft_scores_no_lse():  # what runtime/dustin.py calls: no lse handed over from drafting
+        for i, (q_draft, k_draft, _) in enumerate(draft_layers):
+            srh_score(q_draft, k_draft, seqlens, draft_heads, out=s_draft, accumulate=i > 0)
+
     target_two_ms = graph_ms([target_two_pass], replays)
+    target_raw_ms = graph_ms([target_raw], replays)
     target_one_ms = graph_ms([target_one_pass], replays)
     draft_ms = graph_ms([draft_scores], replays)
-    estimator_ms = graph_ms([lambda: (target_two_pass(), draft_scores())], replays)
+    draft_no_lse_ms = graph_ms([draft_scores_no_lse], replays)
+    estimator_ms = graph_ms([lambda: (target_raw(), draft_scores())], replays)
+    runtime_ms = graph_ms([lambda: (target_raw(), draft_scores_no_lse())], replays)
+    strict_ms = graph_ms([lambda: (target_two_pass(), draft_scores())], replays)
     full_all_layers_ms = target.layers * full_ms
     return {
         "target": pair.target, "draft": draft.name, "gamma": pair.gamma, "batch": batch, "context": length,
         "target_heads": list(target_heads), "draft_heads": list(draft_heads),
-        "target_score_two_pass_ms": target_two_ms, "target_score_one_pass_ms": target_one_ms,
-        "draft_scores_3_layers_ms": draft_ms, "estimator_ms": estimator_ms,
+        "target_score_two_pass_ms": target_two_ms, "target_score_raw_ms": target_raw_ms,
+        "target_score_one_pass_ms": target_one_ms,
+        "draft_scores_3_layers_ms": draft_ms, "draft_scores_3_layers_no_lse_ms": draft_no_lse_ms,
+        "estimator_ms": estimator_ms,
+        "estimator_desc": "target: 1 query x 4 heads without lse (one read of K + the heads' score rows); "
+                          "draft: Γ queries x 4 heads x 3 layers with lse from drafting",
+        "estimator_runtime_ms": runtime_ms,
+        "estimator_runtime_desc": "as runtime/dustin.py calls it: no lse on either side (one read of K each)",
+        "estimator_strict_two_pass_ms": strict_ms,
+        "estimator_strict_desc": "target scored by two reads of K, no per-head rows stored; draft as estimator_ms",
         "full_verify_per_layer_ms": full_ms, "full_verify_all_layers_ms": full_all_layers_ms,
         "estimator_frac_of_full_verify": estimator_ms / full_all_layers_ms,
+        "estimator_runtime_frac_of_full_verify": runtime_ms / full_all_layers_ms,
+        "estimator_strict_frac_of_full_verify": strict_ms / full_all_layers_ms,
     }
 
 
@@ -241,17 +265,21 @@ def timed(rows, label, calls, **record):
 def sweep_sparse(generator, rows, batch=16, length=32768):
     """Sparse launch parameters on Qwen2.5-72B heads, and time against k (intercept = fixed cost)."""
     shape = TARGETS["Qwen2.5-72B"]
-    configs = [dict(block_m=m, block_n=n, num_stages=st, prefetch_indices=p, num_warps=w)
-               for m in (16, 32, 64) for n in (64, 128) for st in (2, 3) for p in (False, True)
-               for w in ((4, 8) if m == 64 else (4,))]
+    # Run 2 settled block_m=64 and index prefetch; run 3 adds K/V register prefetch, the separate
+    # new-token tile and 2-3 key splits (with the combine launch).
+    configs = [dict(block_m=64, block_n=n, num_stages=st, num_warps=w, prefetch_kv=pkv, new_tile=nt, num_splits=1)
+               for n in (32, 64, 128) for st in (2, 3) for w in (4, 8) for pkv in (False, True)
+               for nt in (False, True)]
+    configs += [dict(block_m=64, block_n=64, num_stages=3, num_warps=4, prefetch_kv=pkv, new_tile=True,
+                     num_splits=splits) for splits in (2, 3) for pkv in (False, True)]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale = 1 / math.sqrt(shape.head_dim)
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        for kw in configs if t == 5 else configs[::3]:
+        for kw in configs:
             calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, out, lse,
-                             num_splits=1, **kw) for ii in index_sets]
+                             **kw) for ii in index_sets]
             timed(rows, "sparse", calls, kind="sparse", tokens=t, **kw)
         for k in (0, 128, 512, 2048):
             sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
@@ -275,8 +303,6 @@ def sweep_full_splits(rows):
 
 def sweep_srh(rows, batch=16, length=32768):
     """SRH kernels' block sizes on the estimator's two shapes (target T=1, draft T=gamma)."""
-    from trtllm_dustin.plugins.srh_score import srh_score_forward
-
     pair = PAIRS[0]
     for shape, t in ((TARGETS[pair.target], 1), (pair.draft, pair.gamma)):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
@@ -295,12 +321,18 @@ def sweep_srh(rows, batch=16, length=32768):
         torch.cuda.empty_cache()
 
 
-def sweep(generator):
+SWEEP_PARTS = ("sparse", "full", "srh")
+
+
+def sweep(generator, parts=SWEEP_PARTS):
     """Launch-parameter grids on the acceptance shapes (kept in the results for the record)."""
     rows = []
-    sweep_sparse(generator, rows)
-    sweep_full_splits(rows)
-    sweep_srh(rows)
+    if "sparse" in parts:
+        sweep_sparse(generator, rows)
+    if "full" in parts:
+        sweep_full_splits(rows)
+    if "srh" in parts:
+        sweep_srh(rows)
     return rows
 
 
@@ -322,11 +354,15 @@ def print_tables(rows, estimators):
               f"{r['full_tbs']:5.2f} {100 * r['full_frac_of_copy_ceiling']:5.1f} | {r['sparse_ms'] * 1e3:9.1f} "
               f"{r['sparse_tbs']:5.2f} {r['sparse_speedup_vs_full']:7.1f} | {sdpa}")
     print(f"\n{'target + draft':28s} {'B':>3s} {'L':>6s} | {'estimator us':>12s} {'all-layer full ms':>17s} "
-          f"{'fraction':>8s}")
+          f"{'fraction':>8s} | {'runtime':>8s} {'strict 2-pass':>13s}")
     for e in estimators:
         print(f"{e['target'] + ' + ' + e['draft']:28s} {e['batch']:3d} {e['context']:6d} | "
               f"{e['estimator_ms'] * 1e3:12.1f} {e['full_verify_all_layers_ms']:17.2f} "
-              f"{100 * e['estimator_frac_of_full_verify']:7.3f}%")
+              f"{100 * e['estimator_frac_of_full_verify']:7.3f}% | "
+              f"{100 * e['estimator_runtime_frac_of_full_verify']:7.3f}% "
+              f"{100 * e['estimator_strict_frac_of_full_verify']:12.3f}%")
+    print("estimator: target without lse (one read of K, the SRH rows' scores kept), draft with lse from drafting;"
+          "\nruntime: neither side has lse; strict 2-pass: the target re-reads K instead of keeping its score rows")
 
 
 def main() -> None:
@@ -339,13 +375,15 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch parameters")
     parser.add_argument("--sweep-only", action="store_true", help="time the grid, skip the benchmark table")
+    parser.add_argument("--sweep-parts", nargs="+", default=list(SWEEP_PARTS), choices=SWEEP_PARTS,
+                        help="which grids --sweep / --sweep-only time")
     parser.add_argument("--out", default="benchmarks/results/attention_h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs a CUDA device (run it on the H200 machine)")
     torch.manual_seed(0)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    sweep_rows = sweep(generator) if args.sweep or args.sweep_only else []
+    sweep_rows = sweep(generator, args.sweep_parts) if args.sweep or args.sweep_only else []
     if args.sweep_only:
         args.models = []
 

@@ -7,7 +7,9 @@ the keys it attends to in the model: the causal range [0, L_b + t]. S[b, j] = 0 
 The probability matrix is never written: one program owns a block of key positions of one
 sequence, reads each needed K block once for every selected head sharing that KV head, and
 writes (or adds) the column sums. With `lse` from the attention call on the same queries this is
-one pass over K; without it a first pass computes the log-denominators.
+one pass over K; without it the pass over K computes the log-denominators and keeps the selected
+rows' scores, and a light second kernel turns them into probabilities (the [B, T, heads, L] score
+rows of a few SRHs are written, never the probabilities of all heads).
 
 The selected heads are regrouped on the host by KV head: group g holds up to P query heads of
 KV head kv_g. The kernels take the groups' KV heads and sizes packed 8 bits each into one int64
@@ -31,18 +33,26 @@ MIN_KEYS_PER_SPLIT = 1024  # first pass (log-denominators) only
 # First pass: one group per program and no V, so it wants more programs than the attention kernels.
 # H200, B=16, L=32K, 4 groups: 9 splits (576 programs) 145 us; 2 splits (128 programs) 226 us.
 LSE_PROGRAMS_PER_SM = 4
+# Without lse the denominator pass also stores the selected rows' scores (fp32 [B, T, columns, S_max]:
+# 8.4 MB for the target's 1 query x 4 heads at B=16, 32K) so the probabilities need no second read of
+# K (537 MB there). Above this size the scores are recomputed from K instead.
+RAW_SCORES_MAX_BYTES = 512 * 2**20
+SUM_BLOCK_N = 512  # keys per program of the raw-score sum (a plain fp32 stream)
 
 
 @triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
 def _srh_lse_kernel(
-    q_ptr, k_ptr, seqlens_ptr, lse_part_ptr,
+    q_ptr, k_ptr, seqlens_ptr, lse_part_ptr, raw_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
-    batch, num_splits, kv_heads_packed, group_sizes_packed, qk_scale_log2,
+    batch, num_splits, s_max, kv_heads_packed, group_sizes_packed, qk_scale_log2,
     T: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_RAW: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
-    """Partial log-denominators over keys [split * chunk, ...) of [0, L_b + T), causal per row."""
+    """Partial log-denominators over keys [split * chunk, ...) of [0, L_b + T), causal per row.
+
+    WRITE_RAW: also store each selected row's scores (log2 units) on the context keys [0, L_b)
+    to raw[b, t, column, j], so that the probabilities need no second read of K."""
     split = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.program_id(2)
@@ -64,6 +74,7 @@ def _srh_lse_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, n_keys)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head * stride_kh
+    raw_rows = raw_ptr + (((b * T + t_row) * (NUM_GROUPS * GROUP_ROWS) + sel).to(tl.int64) * s_max)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
@@ -71,6 +82,9 @@ def _srh_lse_kernel(
         col_ok = offs_n < end
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
+        if WRITE_RAW:
+            tl.store(raw_rows[:, None] + offs_n[None, :], scores,
+                     mask=row_ok[:, None] & (offs_n[None, :] < seqlen))
         scores = tl.where(col_ok[None, :] & (offs_n[None, :] <= limit[:, None]), scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(scores - m_new[:, None]), 1)
@@ -78,6 +92,41 @@ def _srh_lse_kernel(
     # lse_part: [num_splits, B, T, NUM_GROUPS * GROUP_ROWS], natural log; empty chunks give -inf.
     part = ((split * batch + b) * T + t_row) * (NUM_GROUPS * GROUP_ROWS) + sel
     tl.store(lse_part_ptr + part, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=t_row < T)
+
+
+@triton.jit(do_not_specialize=["group_sizes_packed"])
+def _srh_sum_raw_kernel(
+    raw_ptr, lse_part_ptr, seqlens_ptr, out_ptr,
+    stride_ob, batch, num_splits, s_max, group_sizes_packed,
+    T: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """S[b, block] = sum over selected rows of exp2(raw - lse2), lse merged here from the split partials."""
+    jb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    seqlen = tl.load(seqlens_ptr + b)
+    col_ok = offs_n < seqlen
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    columns: tl.constexpr = NUM_GROUPS * GROUP_ROWS
+    if jb * BLOCK_N < seqlen:
+        for r in range(T * columns):
+            sel = r % columns
+            group_size = (group_sizes_packed.to(tl.int64) >> (8 * (sel // GROUP_ROWS))) & 255
+            if sel % GROUP_ROWS < group_size:
+                # lse_part [num_splits, B, T, columns], natural log; merge with a max-shifted sum
+                parts = tl.load(lse_part_ptr + (offs_s * batch + b) * (T * columns) + r, mask=offs_s < num_splits,
+                                other=float("-inf")) * 1.4426950408889634
+                top = tl.max(parts, 0)
+                lse2 = top + tl.log2(tl.sum(tl.exp2(parts - top), 0))
+                raw = tl.load(raw_ptr + (b * (T * columns) + r).to(tl.int64) * s_max + offs_n, mask=col_ok, other=0.0)
+                total += tl.where(col_ok, tl.exp2(raw - lse2), 0.0)
+    in_range = offs_n < s_max
+    out_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_n
+    if ACCUMULATE:
+        total += tl.load(out_ptrs, mask=in_range, other=0.0)
+    tl.store(out_ptrs, total, mask=in_range)
 
 
 @triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
@@ -136,7 +185,7 @@ def _pack(values: list[int]) -> int:
 
 
 def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate, *,
-                      block_n=None, num_warps=4, num_stages=2):
+                      block_n=None, num_warps=4, num_stages=2, raw_scores=None):
     """Launch the SRH scoring kernels (inputs already validated).
 
     Launch contract:
@@ -146,11 +195,17 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
       head_ids:      static tuple of distinct query heads (H_kv <= 256)
       lse:           fp32 [B, T, H_q] natural-log denominators of the same queries, or None
       out:           fp32 [B, S_max], last dim contiguous; written (accumulate=False) or added to
+      raw_scores:    without lse: True keeps the selected rows' scores (fp32 [B, T, columns, S_max],
+                     written by the denominator pass) so K is read once; False reads K twice;
+                     None picks True while that buffer stays under RAW_SCORES_MAX_BYTES
       Per launch of at most 8 KV-head groups (P = largest group, rows T * P per group):
-        q_sel [B, T, n_groups * P, D] and lse_sel [B, T, n_groups * P] are gathered by torch ops;
-        without lse, _srh_lse_kernel, grid (splits, B, n_groups), writes partial log-denominators
-        that torch.logsumexp merges; _srh_score_kernel, grid (cdiv(S_max, BLOCK_N), B), then
-        loops over the groups and writes (or adds) out[b, block].
+        q_sel [B, T, n_groups * P, D] is gathered by torch ops.
+        With lse: lse_sel is gathered too and _srh_score_kernel, grid (cdiv(S_max, BLOCK_N), B),
+        loops over the groups, reads K once and writes (or adds) out[b, block].
+        Without lse: _srh_lse_kernel, grid (splits, B, n_groups), writes partial log-denominators
+        (and the raw scores); then _srh_sum_raw_kernel, grid (cdiv(S_max, BLOCK_N), B), merges the
+        partials and sums exp(raw - lse) per key; or, raw_scores=False, torch.logsumexp merges them
+        and _srh_score_kernel makes the second pass over K.
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
@@ -168,17 +223,31 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
         kv_packed = _pack([kv for kv, _ in chunk])
         sizes_packed = _pack([len(heads) for _, heads in chunk])
         block_m = max(16, triton.next_power_of_2(t * rows))
+        add = accumulate or first > 0
         if lse is None:
             num_splits = pick_num_splits(batch * len(chunk), s_max, MIN_KEYS_PER_SPLIT, q.device, LSE_PROGRAMS_PER_SM)
             lse_part = torch.empty(num_splits, batch, t, len(columns), device=q.device, dtype=torch.float32)
+            raw_bytes = 4 * batch * t * len(columns) * s_max
+            keep_raw = raw_bytes <= RAW_SCORES_MAX_BYTES if raw_scores is None else raw_scores
+            raw = (torch.empty(batch, t, len(columns), s_max, device=q.device, dtype=torch.float32) if keep_raw
+                   else lse_part)  # unused without WRITE_RAW
             _srh_lse_kernel[(num_splits, batch, len(chunk))](
-                q_sel, k_cache, cache_seqlens, lse_part,
+                q_sel, k_cache, cache_seqlens, lse_part, raw,
                 q_sel.stride(0), q_sel.stride(1), q_sel.stride(2),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                batch, num_splits, kv_packed, sizes_packed, qk_scale_log2,
+                batch, num_splits, s_max, kv_packed, sizes_packed, qk_scale_log2,
                 T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), HEAD_DIM=head_dim,
-                BLOCK_M=block_m, BLOCK_N=block_n, DOT_MODE=mode, num_warps=num_warps, num_stages=num_stages,
+                BLOCK_M=block_m, BLOCK_N=block_n, WRITE_RAW=keep_raw, DOT_MODE=mode,
+                num_warps=num_warps, num_stages=num_stages,
             )
+            if keep_raw:
+                _srh_sum_raw_kernel[(triton.cdiv(s_max, SUM_BLOCK_N), batch)](
+                    raw, lse_part, cache_seqlens, out,
+                    out.stride(0), batch, num_splits, s_max, sizes_packed,
+                    T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), BLOCK_N=SUM_BLOCK_N,
+                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)), ACCUMULATE=add, num_warps=4,
+                )
+                continue
             lse_sel = torch.logsumexp(lse_part, dim=0)  # [B, T, n_groups * rows]
         else:
             lse_sel = torch.stack([lse[:, :, h] for h in columns], dim=2)
@@ -189,7 +258,7 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             out.stride(0), s_max, kv_packed, sizes_packed, qk_scale_log2,
             T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), HEAD_DIM=head_dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, ACCUMULATE=accumulate or first > 0, DOT_MODE=mode,
+            BLOCK_M=block_m, BLOCK_N=block_n, ACCUMULATE=add, DOT_MODE=mode,
             num_warps=num_warps, num_stages=num_stages,
         )
 

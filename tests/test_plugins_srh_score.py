@@ -1,6 +1,7 @@
-"""srh_score against a direct float64 softmax: one pass (lse from verify_attention) and two passes,
-accumulation over layers, ragged batches, GQA ratios, T, head dims. K of KV heads no selected
-head uses, and cache rows past L_b + T, hold NaN: the kernel must not read them.
+"""srh_score against a direct float64 softmax: with lse from verify_attention, and without it (score
+rows kept, and the variant that reads K twice); accumulation over layers, ragged batches, GQA
+ratios, T, head dims. K of KV heads no selected head uses, and cache rows past L_b + T, hold NaN:
+the kernel must not read them.
 
 Invariant: S sums over the context to |heads| * T minus the probability mass on the new tokens.
 """
@@ -16,6 +17,7 @@ from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import srh_score, verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import srh_score_ref  # noqa: E402
+from trtllm_dustin.plugins.srh_score import srh_score_forward  # noqa: E402
 
 
 def reference(q, k_cache, cache_seqlens, head_ids, softmax_scale=None):
@@ -70,8 +72,12 @@ def check(length, t, heads_kv, group, head_dim, dtype, head_ids):
     q, k_cache, k_clean, v, seqlens = make_problem(length, t, heads_kv, group, head_dim, dtype, head_ids)
     ref = reference(q, k_clean, seqlens, head_ids)
     two_pass = torch.full((q.shape[0], k_cache.shape[2]), float("nan"), device=DEVICE)
-    srh_score(q, k_cache, seqlens, head_ids, out=two_pass)
+    srh_score(q, k_cache, seqlens, head_ids, out=two_pass)  # no lse: one read of K, score rows kept
     assert_close(two_pass, ref, dtype)
+    recomputed = torch.full_like(two_pass, float("nan"))  # no lse, second read of K instead of score rows
+    srh_score_forward(q, k_cache, seqlens, tuple(head_ids), None, 1 / math.sqrt(q.shape[-1]), recomputed, False,
+                      raw_scores=False)
+    assert_close(recomputed, ref, dtype)
     _, lse = verify_attention(q, k_clean, v, seqlens, return_lse=True)
     one_pass = torch.full_like(two_pass, float("nan"))
     srh_score(q, k_cache, seqlens, head_ids, lse=lse, out=one_pass)
