@@ -265,13 +265,10 @@ def timed(rows, label, calls, **record):
 def sweep_sparse(generator, rows, batch=16, length=32768):
     """Sparse launch parameters on Qwen2.5-72B heads, and time against k (intercept = fixed cost)."""
     shape = TARGETS["Qwen2.5-72B"]
-    # Run 2 settled block_m=64 and index prefetch; run 3 adds K/V register prefetch, the separate
-    # new-token tile and 2-3 key splits (with the combine launch).
-    configs = [dict(block_m=64, block_n=n, num_stages=st, num_warps=w, prefetch_kv=pkv, new_tile=nt, num_splits=1)
-               for n in (32, 64, 128) for st in (2, 3) for w in (4, 8) for pkv in (False, True)
-               for nt in (False, True)]
-    configs += [dict(block_m=64, block_n=64, num_stages=3, num_warps=4, prefetch_kv=pkv, new_tile=True,
-                     num_splits=splits) for splits in (2, 3) for pkv in (False, True)]
+    # Run 2 settled block_m=64 and index prefetch; run 3 (at 2a61390) also tried K/V register prefetch and
+    # a separate new-token tile, neither kept (attention_h200.sweep3.json). This grid re-checks the rest.
+    configs = [dict(block_m=64, block_n=n, num_stages=st, num_warps=w, num_splits=splits)
+               for n in (32, 64, 128) for st in (2, 3) for w in (4, 8) for splits in (1, 2)]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")

@@ -34,23 +34,11 @@ __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward"]
 MIN_KEYS_PER_SPLIT = 1024
 # Launch defaults from the H200 sweep (B=16, L=32K, Qwen2.5-72B heads, T=5, k=512): index
 # prefetch, all T * G rows in one tile (block_m=64), 64-key tiles, 3 stages: 16.5 us; without the
-# prefetch 23.7 us; splitting the rows over programs (block_m=16 / 32) 21.0 / 21.2 us.
-
-
-@triton.jit
-def _gather_kv(k_base, v_base, idx_base, offs_n, end, seqlen, num_indices, stride_ks, stride_vs, offs_d,
-               NEW_TILE: tl.constexpr):
-    """K/V rows of items offs_n (index slots, then - without NEW_TILE - the new tokens) and their validity."""
-    from_list = offs_n < num_indices
-    idx = tl.load(idx_base + offs_n, mask=from_list & (offs_n < end), other=-1)
-    if NEW_TILE:
-        pos = idx
-    else:
-        pos = tl.where(from_list, idx, seqlen + offs_n - num_indices)
-    col_ok = (offs_n < end) & (pos >= 0)
-    k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    return k, v, col_ok
+# prefetch 23.7 us; splitting the rows over programs (block_m=16 / 32) 21.0 / 21.2 us. Run 3 (same
+# shape) also tried K/V register prefetch (never faster), a separate new-token tile (within the
+# +-1.5 us noise: 16.3 vs 18.2 us at T=4, 18.6 vs 17.1 at T=5) and 2-3 splits (21-25 us): none kept.
+# Time against k is linear at ~0.022 us per key index (2.9 TB/s of random 256-byte row gathers)
+# on top of ~6 us fixed (benchmarks/results/attention_h200.sweep3.json).
 
 
 @triton.jit
@@ -63,8 +51,8 @@ def _sparse_verify_attention_kernel(
     stride_ob, stride_ot, stride_oh,
     batch, num_kv_heads, num_indices, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DIRECT_OUTPUT: tl.constexpr,
-    PREFETCH_INDICES: tl.constexpr, PREFETCH_KV: tl.constexpr, NEW_TILE: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -83,11 +71,7 @@ def _sparse_verify_attention_kernel(
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     seqlen = tl.load(seqlens_ptr + b)
-    # Items: the index slots, then (without NEW_TILE) the T new tokens, cut into num_splits chunks.
-    if NEW_TILE:
-        n_items = num_indices
-    else:
-        n_items = num_indices + T
+    n_items = num_indices + T
     chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, n_items)
@@ -98,52 +82,27 @@ def _sparse_verify_attention_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if NEW_TILE:  # the new tokens' rows (last split), loaded first so their latency hides behind the loop
-        offs_t = tl.arange(0, BLOCK_T)
-        new_ok = offs_t < tl.where(split == num_splits - 1, T, 0)
-        k_new = tl.load(k_base + (seqlen + offs_t)[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None],
-                        other=0.0)
-        v_new = tl.load(v_base + (seqlen + offs_t)[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None],
-                        other=0.0)
-    if PREFETCH_KV:  # registers hold block i + 1's K/V while block i is computed
-        k_next, v_next, ok_next = _gather_kv(k_base, v_base, idx_base, start + tl.arange(0, BLOCK_N), end, seqlen,
-                                             num_indices, stride_ks, stride_vs, offs_d, NEW_TILE)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k, v, col_ok = k_next, v_next, ok_next
-            k_next, v_next, ok_next = _gather_kv(k_base, v_base, idx_base, offs_n + BLOCK_N, end, seqlen,
-                                                 num_indices, stride_ks, stride_vs, offs_d, NEW_TILE)
-            new_token = offs_n - num_indices
-            scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
-            visible = col_ok[None, :] & ((offs_n[None, :] < num_indices) | (new_token[None, :] <= t_row[:, None]))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
-    else:
-        if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
-            offs_first = start + tl.arange(0, BLOCK_N)
-            idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            from_list = offs_n < num_indices
-            new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
-            if PREFETCH_INDICES:
-                idx = idx_next
-                offs_after = offs_n + BLOCK_N
-                idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
-            else:
-                idx = tl.load(idx_base + offs_n, mask=from_list, other=-1)
-            pos = tl.where(from_list, idx, seqlen + new_token)
-            col_ok = (offs_n < end) & (pos >= 0)
-            k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
-            visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
-    if NEW_TILE:
-        scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
-        scores = tl.where(new_ok[None, :] & (offs_t[None, :] <= t_row[:, None]), scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
+    if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
+        offs_first = start + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        from_list = offs_n < num_indices
+        new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
+        if PREFETCH_INDICES:
+            idx = idx_next
+            offs_after = offs_n + BLOCK_N
+            idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
+        else:
+            idx = tl.load(idx_base + offs_n, mask=from_list, other=-1)
+        pos = tl.where(from_list, idx, seqlen + new_token)
+        col_ok = (offs_n < end) & (pos >= 0)
+        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
+        visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
@@ -151,7 +110,7 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, prefetch_kv=False, new_tile=False):
+                                    prefetch_indices=True):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -164,10 +123,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
       grid:          (num_splits * row_blocks, B * H_kv); a program owns block_m of the T * G rows
                      of one (b, kv head) (row_blocks = cdiv(T * G, block_m): the programs of one
                      pair gather the same rows, the repeats served from L2) and items
-                     [split * chunk, (split + 1) * chunk) of the K + T item list (new_tile: of the
-                     K index slots, and the last split also takes the T new tokens as one extra tile
-                     loaded before its loop); num_splits > 1 adds the combine_splits launch.
-      prefetch_kv:   gather block i + 1's K/V rows into registers before computing block i.
+                     [split * chunk, (split + 1) * chunk) of the K + T item list;
+                     num_splits > 1 adds the combine_splits launch.
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
@@ -192,8 +149,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         out.stride(0), out.stride(1), out.stride(2),
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices,
-        PREFETCH_KV=prefetch_kv, NEW_TILE=new_tile, DOT_MODE=dot_mode(q.dtype),
+        DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
