@@ -73,7 +73,33 @@ def prompts(args: argparse.Namespace, count: int) -> list[str]:
                      f"{args.prompt_tokens}; lower it")
 
 
-def client(url: str, model: str, method: str, texts: list[str], max_tokens: int, deadline: float,
+def request_arrays(prompt: str | list[int], method: str | None, max_tokens: int) -> dict[str, np.ndarray]:
+    """One streaming request's inputs: text_input, or input_ids for a token-id prompt; `method` only when named."""
+    arrays = ({"input_ids": np.array([prompt], dtype=np.int32)} if isinstance(prompt, list)
+              else {"text_input": np.array([[prompt.encode()]], dtype=np.object_)})
+    arrays |= {"max_tokens": np.array([[max_tokens]], dtype=np.int32), "stream": np.array([[True]], dtype=np.bool_)}
+    if method is not None:
+        arrays["method"] = np.array([[method.encode()]], dtype=np.object_)
+    return arrays
+
+
+def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
+    """--token-ids: the prompts as token ids (random ids for tokenizer-less presets, or an eval_tau .npz)."""
+    if args.prompts == "random":
+        rng = np.random.default_rng(0)
+        return [rng.integers(2, 257, args.prompt_tokens).tolist() for _ in range(count)]
+    if not args.prompts.endswith(".npz"):
+        raise SystemExit("--token-ids takes --prompts random or a .npz of token windows (eval_tau.py --save-prompts)")
+    from eval_tau import load_documents
+
+    docs = [d for family in load_documents(Path(args.prompts), None).values() for d in family]
+    ids = [tokens[: args.prompt_tokens].tolist() for _, tokens in docs if len(tokens) >= args.prompt_tokens]
+    if len(ids) < count:
+        raise SystemExit(f"only {len(ids)} documents in {args.prompts} reach --prompt-tokens {args.prompt_tokens}")
+    return ids[:: max(1, len(ids) // count)][:count]
+
+
+def client(url: str, model: str, method: str | None, texts: list, max_tokens: int, deadline: float,
            record: dict, lock: threading.Lock, max_requests: int | None = None) -> None:
     """One client: streaming requests back to back until the deadline (or max_requests)."""
     import tritonclient.grpc as grpcclient
@@ -83,12 +109,8 @@ def client(url: str, model: str, method: str, texts: list[str], max_tokens: int,
         c.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
         i = 0
         while time.perf_counter() < deadline and (max_requests is None or i < max_requests):
-            text = texts[i % len(texts)]
+            arrays = request_arrays(texts[i % len(texts)], method, max_tokens)
             i += 1
-            arrays = {"text_input": np.array([[text.encode()]], dtype=np.object_),
-                      "max_tokens": np.array([[max_tokens]], dtype=np.int32),
-                      "method": np.array([[method.encode()]], dtype=np.object_),
-                      "stream": np.array([[True]], dtype=np.bool_)}
             inputs = []
             for name, array in arrays.items():
                 tensor = grpcclient.InferInput(name, list(array.shape), {"O": "BYTES", "i": "INT32",
@@ -121,15 +143,18 @@ def client(url: str, model: str, method: str, texts: list[str], max_tokens: int,
         c.stop_stream()
 
 
-def run_method(url: str, model: str, method: str, args: argparse.Namespace, texts: list[str]) -> dict:
+def run_method(url: str, model: str, method: str, args: argparse.Namespace, texts: list,
+               send_method: bool = True) -> dict:
+    """Warm-up, then args.clients clients for args.duration seconds. send_method=False: the server's default."""
     record = {"requests": 0, "tokens": 0, "ttft_ms": [], "itl_ms": [], "tau": []}
     lock = threading.Lock()
     # Warm-up, excluded: one request, so lazy set-up (graph capture, JIT) is not timed.
-    client(url, model, method, texts[:1], args.max_tokens, float("inf"), dict(record, ttft_ms=[], itl_ms=[], tau=[]),
+    named = method if send_method else None
+    client(url, model, named, texts[:1], args.max_tokens, float("inf"), dict(record, ttft_ms=[], itl_ms=[], tau=[]),
            lock, max_requests=1)
     start = time.perf_counter()
     deadline = start + args.duration
-    threads = [threading.Thread(target=client, args=(url, model, method, texts[i::args.clients] or texts,
+    threads = [threading.Thread(target=client, args=(url, model, named, texts[i::args.clients] or texts,
                                                      args.max_tokens, deadline, record, lock))
                for i in range(args.clients)]
     for t in threads:
@@ -162,14 +187,34 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--url", default=None, help="gRPC address of a running server (default: launch one)")
     p.add_argument("--model-name", default="dustin")
+    p.add_argument("--token-ids", action="store_true",
+                   help="send prompts as input_ids (INT32) and run one server per method, so that no request holds "
+                        "a BYTES input (for Python-backend stubs that mis-read them; docs/serving.md)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else (
         TINY_DUSTIN if args.dustin_placeholder else None)
-    texts = prompts(args, max(args.clients, 8))
+    texts = prompt_ids(args, max(args.clients, 8)) if args.token_ids else prompts(args, max(args.clients, 8))
     config = ServingConfig(model=args.model, draft=args.draft, methods=tuple(args.methods), dustin=dustin,
                            max_batch=args.max_batch, max_seq_len=args.max_seq_len or 2 * args.prompt_tokens +
                            args.max_tokens + 16, queue_size=4 * args.clients, device=args.device)
+    if args.token_ids and args.url is not None:
+        raise SystemExit("--token-ids launches one server per method; it cannot use --url")
+    results = []
+    # --token-ids: one server per method serving only that method, so no request holds a BYTES input.
+    rounds = [(config.with_(methods=(m,)), [m]) for m in args.methods] if args.token_ids else [(config, args.methods)]
+    for served, methods in rounds:
+        results += serve_and_load(served, methods, args, texts)
+    device = "h200" if args.device.startswith("cuda") else "cpu"
+    save_json(args.out or RESULTS / f"serving_{device}.json",
+              {**environment(), "config": json_safe(config), "prompt_tokens": args.prompt_tokens,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "duration_s": args.duration,
+               "prompt_inputs": "input_ids (one server per method)" if args.token_ids else "text_input",
+               "results": results})
+
+
+def serve_and_load(config: ServingConfig, methods: list[str], args: argparse.Namespace, texts: list) -> list[dict]:
+    """Launch a server on `config` (unless --url) and run the load for each method in turn."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.url is None:
@@ -181,13 +226,14 @@ def main() -> None:
         try:
             if server is not None:
                 url = server.start().grpc_url
-            for method in args.methods:  # (the server log is copied beside the results if a method fails)
-                results.append(run_method(url, args.model_name, method, args, texts))
+            for method in methods:  # (the server log is copied beside the results if a method fails)
+                results.append(run_method(url, args.model_name, method, args, texts, send_method=not args.token_ids))
                 r = results[-1]
                 print(f"{method:10s} {r['requests']:4d} req  {r['output_tokens_per_s']:8.1f} tok/s  TTFT p50 "
                       f"{r['ttft_ms'].get('p50', float('nan')):7.1f} p99 {r['ttft_ms'].get('p99', float('nan')):7.1f}"
                       f" ms  ITL p50 {r['inter_token_ms'].get('p50', float('nan')):6.2f} p99 "
-                      f"{r['inter_token_ms'].get('p99', float('nan')):6.2f} ms  tau {r['mean_accepted_length']}")
+                      f"{r['inter_token_ms'].get('p99', float('nan')):6.2f} ms  tau {r['mean_accepted_length']}",
+                      flush=True)
         except Exception:
             if server is not None and (Path(tmp) / "server.log").is_file():
                 log = (args.out or RESULTS / "serving.json").with_suffix(".server.log")
@@ -198,11 +244,7 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
-    device = "h200" if args.device.startswith("cuda") else "cpu"
-    save_json(args.out or RESULTS / f"serving_{device}.json",
-              {**environment(), "config": json_safe(config), "prompt_tokens": args.prompt_tokens,
-               "prompts": args.prompts, "max_tokens": args.max_tokens, "duration_s": args.duration,
-               "results": results})
+    return results
 
 
 def json_safe(config: ServingConfig) -> dict:

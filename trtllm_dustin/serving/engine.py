@@ -53,6 +53,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: generation ends before the first one, which is not returned
     method: str | None = None  # None = the model's default method
     stream: bool = False  # send text pieces as they are committed (decoupled mode only)
+    input_ids: tuple[int, ...] | None = None  # the prompt as token ids instead of `text`
 
 
 @dataclass
@@ -101,8 +102,9 @@ class _Job:
 class ServingEngine:
     """Loads the models once, serves GenerationRequests from a scheduler thread."""
 
-    def __init__(self, config: ServingConfig, batchers: dict[str, InflightBatcher], codec: TextCodec) -> None:
-        self.config, self.batchers, self.codec = config, batchers, codec
+    def __init__(self, config: ServingConfig, batchers: dict[str, InflightBatcher], codec: TextCodec,
+                 vocab_size: int | None = None) -> None:
+        self.config, self.batchers, self.codec, self.vocab_size = config, batchers, codec, vocab_size
         self._waiting: deque[_Job] = deque()
         self._running: dict[tuple[str, int], _Job] = {}
         self._cv = threading.Condition()
@@ -134,7 +136,7 @@ class ServingEngine:
                 use_cuda_graph=config.use_cuda_graph))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
         codec = codec_for(loaded.tokenizer, loaded.model.config.vocab_size, config.chat_template)
-        engine = cls(config, batchers, codec)
+        engine = cls(config, batchers, codec, loaded.model.config.vocab_size)
         if device.type == "cuda":
             engine.warm_up()
         return engine
@@ -174,7 +176,8 @@ class ServingEngine:
             raise RequestError("stream=true needs the decoupled model; regenerate the repository with --decoupled")
         try:
             sampling = SamplingParams(request.temperature, request.top_p, request.seed)
-            prompt = self.codec.encode(request.text)
+            ids = request.input_ids
+            prompt = self.codec.encode(request.text) if ids is None else self._check_ids(ids)
             slot_request = SlotRequest(tuple(prompt), request.max_tokens, sampling)
             self.batchers[method].check(slot_request)
         except ValueError as e:
@@ -191,6 +194,15 @@ class ServingEngine:
                                      "--max-batch")
             self._waiting.append(job)
             self._cv.notify()
+
+    def _check_ids(self, ids: tuple[int, ...]) -> list[int]:
+        if not ids:
+            raise RequestError("input_ids is empty; send at least one token id")
+        bad = next((i for i in ids if i < 0 or (self.vocab_size is not None and i >= self.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(f"input_ids holds {bad}, outside this model's vocabulary [0, {self.vocab_size}); "
+                               "tokenize with the model's own tokenizer")
+        return list(ids)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the scheduler; requests still queued or running are answered with an error."""

@@ -25,8 +25,11 @@ from trtllm_dustin.serving.config import ServingConfig
 __all__ = ["INPUTS", "OUTPUTS", "TritonPythonModel"]
 
 # name -> (Triton type, dims without the batch dimension, optional). TensorRT-LLM's names where they exist.
+# A request sends exactly one of text_input and input_ids (token ids, as TensorRT-LLM's `tensorrt_llm` model takes
+# them; also the way around Python-backend stubs that mis-read BYTES inputs, docs/serving.md).
 INPUTS: dict[str, tuple[str, list[int], bool]] = {
-    "text_input": ("TYPE_STRING", [1], False),
+    "text_input": ("TYPE_STRING", [1], True),
+    "input_ids": ("TYPE_INT32", [-1], True),
     "max_tokens": ("TYPE_INT32", [1], False),
     "temperature": ("TYPE_FP32", [1], True),
     "top_p": ("TYPE_FP32", [1], True),
@@ -155,9 +158,13 @@ def _parse(request: Any, pb_utils: Any) -> Any:
     from trtllm_dustin.serving.engine import GenerationRequest, RequestError
 
     text = _scalar(request, pb_utils, "text_input")
+    ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     max_tokens = _scalar(request, pb_utils, "max_tokens")
-    if text is None or max_tokens is None:
-        raise RequestError("text_input (BYTES) and max_tokens (INT32) are required")
+    if (text is None) == (ids_tensor is None):
+        raise RequestError("send exactly one of text_input (BYTES) and input_ids (INT32 token ids)")
+    if max_tokens is None:
+        raise RequestError("max_tokens (INT32) is required")
+    input_ids = None if ids_tensor is None else tuple(int(i) for i in ids_tensor.as_numpy().reshape(-1))
     seed, random_seed = _scalar(request, pb_utils, "seed"), _scalar(request, pb_utils, "random_seed")
     if seed is not None and random_seed is not None:
         raise RequestError("send either seed (INT64) or random_seed (UINT64), not both")
@@ -172,6 +179,7 @@ def _parse(request: Any, pb_utils: Any) -> Any:
     stop = () if stop_tensor is None else tuple(_text(s, "stop") for s in stop_tensor.as_numpy().reshape(-1))
     method = _scalar(request, pb_utils, "method")
     return GenerationRequest(
-        text=_text(text, "text_input"), max_tokens=int(max_tokens), temperature=temperature, top_p=top_p, seed=seed,
+        text="" if text is None else _text(text, "text_input"), input_ids=input_ids, max_tokens=int(max_tokens),
+        temperature=temperature, top_p=top_p, seed=seed,
         stop=stop, method=None if method is None else _text(method, "method"),
         stream=bool(_scalar(request, pb_utils, "stream", False)))
