@@ -17,9 +17,13 @@ from pathlib import Path
 # The Python backend stub of Triton 2.51 (nvidia-pytriton 0.7.0) garbles BYTES tensors under numpy 2. Where the
 # environment has numpy 2, a numpy 1.x installed with `pip install --target $VIRTUAL_ENV/triton-site
 # numpy==1.26.4` goes first on this process's path (the stub ignores PYTHONPATH); see docs/serving.md.
+# scikit-learn and SciPy builds for numpy 2 cannot load beside that numpy 1.x; the server never needs them, so they
+# are marked absent here (transformers then skips its optional sklearn import instead of failing on it).
 _SITE = Path(sys.prefix) / "triton-site"
 if _SITE.is_dir():
     sys.path.insert(0, str(_SITE))
+    for _name in ("sklearn", "scipy"):
+        sys.modules.setdefault(_name, None)
 
 from trtllm_dustin.serving.triton_model import TritonPythonModel  # noqa: E402
 
