@@ -47,7 +47,8 @@ SRH_SCHEMA_VERSION = 1
 class SRHSettings:
     """The profiling set and the scoring rule. Defaults are the issue's full scale; CI passes a tiny one."""
 
-    context_lengths: tuple[int, ...] = (819, 1638, 2457, 3276, 4096, 4915, 5734, 6553, 7372, 8180)  # prompt tokens
+    # prompt tokens: 10 steps of 814 up to 8140, so that 8140 + max_new_tokens (50) fits SmolLM2's 8192 positions
+    context_lengths: tuple[int, ...] = tuple(814 * i for i in range(1, 11))
     depths: tuple[float, ...] = tuple(i / 10 for i in range(11))  # needle depth in the haystack, 0 = start
     needles: int = 3  # how many of NEEDLES to use (at least 3 for the real profile)
     max_new_tokens: int = 50  # greedy decode length per test
