@@ -6,8 +6,9 @@ swept over m = fraction x (k - sinks - recent) for --m-sweep, whose best per tas
 
 Tasks (test split only, benchmarks/quality_tasks.py): books (teacher-forced next-token accuracy and KL(full || sparse)
 along the held-out text, greedy tau of a free run), code (next-line exact match, edit similarity), needle (RULER-style
-single / multikey / multivalue retrieval, string match) and vt (variable tracking, string match). 95% CIs: Wilson for
-0/1 metrics, percentile bootstrap over samples otherwise (over batches for tau).
+single / multikey / multivalue retrieval, string match), vt (variable tracking, string match) and qa (RULER-style
+SQuAD / HotpotQA question answering among distractor paragraphs, string_match_part: any gold answer in the output).
+95% CIs: Wilson for 0/1 metrics, percentile bootstrap over samples otherwise (over batches for tau).
 
 Each batch is prefilled once; every method then starts from the same caches (decoding writes only past the prompt;
 the draft's cache is restored before each method), so methods differ only in their verification sets.
@@ -50,9 +51,10 @@ from trtllm_dustin.runtime.vanilla import GenerationConfig
 DEFAULT_METHODS = ["classic", "dustin-h", "dustin-t", "dustin-d", "dustin-h-adaptive", "streamingllm", "snapkv",
                    "quest"]
 BASELINES = ("streamingllm", "snapkv", "quest")
-PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match"}
+PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match",
+           "qa": "string_match_part"}
 ORACLE_METRIC = {"books": ("kl", -1), "code": ("edit_similarity", 1), "needle": ("string_match", 1),
-                 "vt": ("string_match", 1)}  # (metric, sign): the oracle m maximises sign * metric
+                 "vt": ("string_match", 1), "qa": ("string_match_part", 1)}  # the oracle m maximises sign * metric
 PREFILL_CHUNK = 1024
 
 
@@ -340,8 +342,8 @@ def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
             lines.append("")
         if args.m_sweep and "dustin-h" in args.methods:
             lines += [f"Input-aware m at {context}: the oracle is the best swept m for each task and budget "
-                      f"or the fixed m (books: lowest KL; code: edit similarity; needle, vt: string match); m is in "
-                      "positions of k - sinks - recent.", "",
+                      "or the fixed m (books: lowest KL; code: edit similarity; needle, vt: string match; qa: any "
+                      "answer matched); m is in positions of k - sinks - recent.", "",
                       "| task | k | fixed m | score | adaptive (mean m) | score | oracle m | score |",
                       "|---|---|---|---|---|---|---|---|"]
             for t in tasks:
@@ -407,7 +409,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192] if cuda else [1024])
     parser.add_argument("--samples", "--docs", type=int, default=48 if cuda else 2, help="samples per task and context")
     parser.add_argument("--new-tokens", type=int, default=64 if cuda else 16, help="books: trajectory length")
-    parser.add_argument("--answer-tokens", type=int, default=32 if cuda else 16, help="code/needle/vt: generated")
+    parser.add_argument("--answer-tokens", type=int, default=32 if cuda else 16, help="code/needle/vt/qa: generated")
     parser.add_argument("--m-sweep", type=float, nargs="*", default=[0, 0.25, 0.5, 0.75, 1] if cuda else [0, 1],
                         help="dustin-h's m as fractions of k - sinks - recent; the best is the oracle m")
     parser.add_argument("--gamma", type=int, default=3)

