@@ -122,6 +122,14 @@ def test_qa_samples_hold_a_test_question_its_answer_and_fill_the_context(qa_toke
     assert {s.sample_id for s in other} != {s.sample_id for s in samples}
 
 
+def test_qa_closes_the_gap_the_token_estimate_leaves(qa_tokenizer) -> None:
+    """60 samples at 4096 once stopped at a SQuAD prompt of 3890 tokens (one below the floor): token merges at document
+    joins made the estimate overshoot, a distractor was dropped, and nothing topped the prompt up again."""
+    samples = quality_tasks.build_samples("qa", qa_tokenizer, 4096, 60, 16, seed=4096)  # as eval_quality seeds it
+    assert len(samples) == 60 and len({s.sample_id for s in samples}) == 60
+    assert all((1 - quality_tasks.QA_SLACK) * 4096 <= len(s.prompt) <= 4096 for s in samples)
+
+
 def test_qa_gold_paragraphs_move_with_the_seed(qa_tokenizer) -> None:
     """Over seeds, the gold paragraph is found at different depths of the prompt, not always first or last."""
     depths = set()
