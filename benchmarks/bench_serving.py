@@ -43,23 +43,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def prompts(args: argparse.Namespace, count: int) -> list[str]:
-    """Fixed prompts: random characters for tokenizer-less presets, or document prefixes of a corpus split."""
+    """Fixed prompts: random characters for tokenizer-less presets (character i is token i), the decoded windows of
+    an eval_tau .npz, or document prefixes of a corpus split."""
     if args.prompts == "random":
-        rng = np.random.default_rng(0)
-        return ["".join(chr(int(i)) for i in rng.integers(2, 257, args.prompt_tokens)) for _ in range(count)]
+        return ["".join(chr(i) for i in ids) for ids in prompt_ids(args, count)]
     if args.prompts.endswith(".npz"):  # test-split token windows from eval_tau.py --save-prompts (no corpora needed)
-        from eval_tau import load_documents
-
         from trtllm_dustin.models import load_model
 
         tokenizer = load_model(args.model).tokenizer
-        docs = [d for family in load_documents(Path(args.prompts), None).values() for d in family]
-        texts = [tokenizer.decode(tokens[: args.prompt_tokens].tolist()) for _, tokens in docs
-                 if len(tokens) >= args.prompt_tokens]
-        if len(texts) < count:
-            raise SystemExit(f"only {len(texts)} documents in {args.prompts} reach --prompt-tokens "
-                             f"{args.prompt_tokens}")
-        return texts[:: max(1, len(texts) // count)][:count]
+        return [tokenizer.decode(ids) for ids in prompt_ids(args, count)]
     from trtllm_dustin.data import final_report_documents, split_documents
 
     docs = final_report_documents() if args.prompts == "test" else split_documents(args.prompts)
@@ -84,7 +76,8 @@ def request_arrays(prompt: str | list[int], method: str | None, max_tokens: int)
 
 
 def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
-    """--token-ids: the prompts as token ids (random ids for tokenizer-less presets, or an eval_tau .npz)."""
+    """The prompts as token ids: random ids in [2, 257) for tokenizer-less presets, or windows of an eval_tau .npz
+    (test-split token windows, no corpora needed), evenly spaced over its documents."""
     if args.prompts == "random":
         rng = np.random.default_rng(0)
         return [rng.integers(2, 257, args.prompt_tokens).tolist() for _ in range(count)]
