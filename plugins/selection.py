@@ -7,11 +7,11 @@ sort): no host sync, so they run inside a captured decode round. Checks read onl
 
 import torch
 
-__all__ = ["select_verify_indices", "streaming_indices"]
+__all__ = ["keep_all_indices", "select_verify_indices", "streaming_indices"]
 
 
-def _keep_all(cache_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
-    """[B, budget]: 0 .. L_b - 1 then -1 (the whole context fits in the budget)."""
+def keep_all_indices(cache_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
+    """int32 [B, budget]: 0 .. L_b - 1 then -1 (the set of a context that fits in the budget)."""
     positions = torch.arange(budget, device=cache_seqlens.device, dtype=torch.int32)[None, :]
     return torch.where(positions < cache_seqlens[:, None], positions, -1)
 
@@ -23,41 +23,59 @@ def _check_seqlens(op: str, cache_seqlens: torch.Tensor) -> None:
 
 
 def select_verify_indices(s_draft: torch.Tensor, s_target: torch.Tensor, cache_seqlens: torch.Tensor, budget: int,
-                          m: int, n_sink: int = 4, n_recent: int = 16) -> torch.Tensor:
+                          m: int | torch.Tensor, n_sink: int = 4, n_recent: int = 16) -> torch.Tensor:
     """Eq. 6: I_verify = sinks + recent window + TopK(S_draft, m) + TopK(S_target, rest).
 
     s_draft, s_target: fp32 [B, S_max] importance (srh_score output; entries j >= L_b ignored);
     cache_seqlens: int32 [B] committed lengths L_b. Sequences with L_b <= budget keep all of
     [0, L_b). Otherwise: the first n_sink and last n_recent positions of [0, L_b), the m best
     remaining by s_draft, then the budget - m - n_sink - n_recent best of what is left by s_target.
+    m: one int for the batch, or an integer tensor [B] of per-sequence shares (clamped to
+    [0, budget - n_sink - n_recent]; row b then equals the call with m = m[b] on that row alone).
     Returns int32 [B, budget], sorted ascending, -1 padded.
     """
     op = "select_verify_indices"
     _check_seqlens(op, cache_seqlens)
-    if min(m, n_sink, n_recent) < 0:
+    per_sequence = isinstance(m, torch.Tensor)
+    m_checked = 0 if per_sequence else m
+    if min(m_checked, n_sink, n_recent) < 0:
         raise ValueError(f"{op}: m={m}, n_sink={n_sink}, n_recent={n_recent} must be >= 0")
-    if budget < n_sink + n_recent + m:
-        raise ValueError(f"{op}: budget {budget} is smaller than n_sink + n_recent + m = {n_sink + n_recent + m}; "
-                         "raise the budget or lower m")
+    if budget < n_sink + n_recent + m_checked:
+        raise ValueError(f"{op}: budget {budget} is smaller than n_sink + n_recent + m = "
+                         f"{n_sink + n_recent + m_checked}; raise the budget or lower m")
     if s_draft.dim() != 2 or s_draft.shape != s_target.shape or s_draft.shape[0] != cache_seqlens.shape[0]:
         raise ValueError(f"{op}: s_draft {tuple(s_draft.shape)} and s_target {tuple(s_target.shape)} must both be "
                          f"[B={cache_seqlens.shape[0]}, S_max]")
+    if per_sequence and tuple(m.shape) != (cache_seqlens.shape[0],):
+        raise ValueError(f"{op}: per-sequence m has shape {tuple(m.shape)}; expected [B={cache_seqlens.shape[0]}]")
     batch, s_max = s_draft.shape
     if budget >= s_max:  # every L_b < S_max fits: nothing to choose
-        return _keep_all(cache_seqlens, budget)
+        return keep_all_indices(cache_seqlens, budget)
 
+    device = s_draft.device
     lengths = cache_seqlens.long()[:, None]  # [B, 1]
-    positions = torch.arange(s_max, device=s_draft.device)[None, :]  # [1, S]
+    positions = torch.arange(s_max, device=device)[None, :]  # [1, S]
     # When L_b > budget >= n_sink + n_recent the sink and window sets are disjoint and inside [0, L_b).
-    sinks = torch.arange(n_sink, device=s_draft.device)[None, :].expand(batch, n_sink)
-    recent = lengths - n_recent + torch.arange(n_recent, device=s_draft.device)[None, :]  # [B, n_recent]
+    sinks = torch.arange(n_sink, device=device)[None, :].expand(batch, n_sink)
+    recent = lengths - n_recent + torch.arange(n_recent, device=device)[None, :]  # [B, n_recent]
     candidate = (positions < lengths) & (positions >= n_sink) & (positions < lengths - n_recent)
-    draft = torch.topk(s_draft.float().masked_fill(~candidate, float("-inf")), m, dim=1).indices  # [B, m]
-    candidate = candidate.scatter(1, draft, False)
-    rest = budget - m - n_sink - n_recent
-    target = torch.topk(s_target.float().masked_fill(~candidate, float("-inf")), rest, dim=1).indices  # [B, rest]
-    chosen = torch.cat([sinks, recent, draft, target], dim=1).sort(dim=1).values.to(torch.int32)  # [B, budget]
-    return torch.where(cache_seqlens[:, None] > budget, chosen, _keep_all(cache_seqlens, budget))
+    free = budget - n_sink - n_recent
+    if per_sequence:  # the top `free` of each source, of which row b keeps m_b and free - m_b: fixed shapes
+        slots = torch.arange(free, device=device)[None, :]
+        m_b = m.long().clamp(0, free)[:, None]  # [B, 1]
+        draft = torch.topk(s_draft.float().masked_fill(~candidate, float("-inf")), free, dim=1).indices
+        take_draft = slots < m_b
+        candidate = candidate & ~torch.zeros_like(candidate).scatter(1, draft, take_draft)
+        target = torch.topk(s_target.float().masked_fill(~candidate, float("-inf")), free, dim=1).indices
+        unused = torch.full_like(draft, s_max)  # sorts after every position, then cut off
+        parts = [sinks, recent, torch.where(take_draft, draft, unused), torch.where(slots < free - m_b, target, unused)]
+        chosen = torch.cat(parts, dim=1).sort(dim=1).values[:, :budget].to(torch.int32)  # k valid, then the unused
+    else:
+        draft = torch.topk(s_draft.float().masked_fill(~candidate, float("-inf")), m, dim=1).indices  # [B, m]
+        candidate = candidate.scatter(1, draft, False)
+        target = torch.topk(s_target.float().masked_fill(~candidate, float("-inf")), free - m, dim=1).indices
+        chosen = torch.cat([sinks, recent, draft, target], dim=1).sort(dim=1).values.to(torch.int32)  # [B, budget]
+    return torch.where(cache_seqlens[:, None] > budget, chosen, keep_all_indices(cache_seqlens, budget))
 
 
 def streaming_indices(cache_seqlens: torch.Tensor, budget: int, n_sink: int = 4) -> torch.Tensor:
@@ -72,4 +90,4 @@ def streaming_indices(cache_seqlens: torch.Tensor, budget: int, n_sink: int = 4)
     slots = torch.arange(budget, device=cache_seqlens.device, dtype=torch.int32)[None, :]  # [1, budget]
     window = cache_seqlens[:, None] - budget + slots  # slot i >= n_sink -> L_b - budget + i
     chosen = torch.where(slots < n_sink, slots, window)
-    return torch.where(cache_seqlens[:, None] > budget, chosen, _keep_all(cache_seqlens, budget))
+    return torch.where(cache_seqlens[:, None] > budget, chosen, keep_all_indices(cache_seqlens, budget))

@@ -56,28 +56,19 @@ __all__ = [
     "adaptive_m",
     "quest_indices",
     "quest_page_scores",
-    "select_verify_indices_per_sequence",
     "snapkv_indices",
     "snapkv_priority",
     "snapkv_scores",
-    "streamingllm_indices",
 ]
 
 
-def _keep_all(seqlens: torch.Tensor, budget: int) -> torch.Tensor:
-    """int32 [B, budget]: 0 .. L_b - 1 then -1 (the whole context fits in the budget)."""
-    slots = torch.arange(budget, device=seqlens.device, dtype=torch.int32)[None, :]
-    return torch.where(slots < seqlens[:, None], slots, -1)
-
-
 # ---- selection policies (pure torch, fixed shapes: no host sync, graph-capturable) --------------------------------
-def streamingllm_indices(seqlens: torch.Tensor, budget: int, n_sink: int = 4) -> torch.Tensor:
-    """StreamingLLM: the first n_sink and the last budget - n_sink of [0, L_b) -> int32 [B, budget]."""
-    if not 0 <= n_sink < budget:
-        raise ValueError(f"streamingllm: n_sink={n_sink} must lie in [0, budget={budget})")
-    slots = torch.arange(budget, device=seqlens.device, dtype=torch.int32)[None, :]
-    chosen = torch.where(slots < n_sink, slots, seqlens[:, None] - budget + slots)
-    return torch.where(seqlens[:, None] > budget, chosen, _keep_all(seqlens, budget))
+# StreamingLLM's set is plugins.selection.streaming_indices (MagicDec's draft uses it too), and Dustin-H with a
+# per-sequence m is plugins.selection.select_verify_indices with m as a tensor.
+def _keep_all(seqlens: torch.Tensor, budget: int) -> torch.Tensor:
+    from trtllm_dustin.plugins.selection import keep_all_indices
+
+    return keep_all_indices(seqlens, budget)
 
 
 def snapkv_scores(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], window_start: torch.Tensor,
@@ -192,38 +183,6 @@ def quest_indices(page_scores: torch.Tensor, seqlens: torch.Tensor, budget: int,
     return torch.where(seqlens[:, None] > budget, chosen, _keep_all(seqlens, budget))
 
 
-def select_verify_indices_per_sequence(s_draft: torch.Tensor, s_target: torch.Tensor, seqlens: torch.Tensor,
-                                       budget: int, m: torch.Tensor, n_sink: int = 4,
-                                       n_recent: int = 16) -> torch.Tensor:
-    """Eq. 6 with a draft share m_b per sequence (int [B], 0 <= m_b <= k - n_sink - n_recent) -> int32 [B, k].
-
-    Row b equals select_verify_indices(..., m=m_b) of that row alone.
-    """
-    batch, s_max = s_draft.shape
-    free = budget - n_sink - n_recent
-    if free < 0:
-        raise ValueError(f"budget {budget} is smaller than n_sink + n_recent = {n_sink + n_recent}")
-    if budget >= s_max:
-        return _keep_all(seqlens, budget)
-    device = s_draft.device
-    lengths = seqlens.long()[:, None]
-    positions = torch.arange(s_max, device=device)[None, :]
-    slots = torch.arange(free, device=device)[None, :]
-    m = m.long().clamp(0, free)[:, None]  # [B, 1]
-    sinks = torch.arange(n_sink, device=device)[None, :].expand(batch, n_sink)
-    recent = lengths - n_recent + torch.arange(n_recent, device=device)[None, :]
-    candidate = (positions < lengths) & (positions >= n_sink) & (positions < lengths - n_recent)
-    draft = torch.topk(s_draft.float().masked_fill(~candidate, float("-inf")), free, dim=1).indices  # [B, free]
-    take_draft = slots < m
-    candidate = candidate & ~torch.zeros_like(candidate).scatter(1, draft, take_draft)
-    target = torch.topk(s_target.float().masked_fill(~candidate, float("-inf")), free, dim=1).indices
-    take_target = slots < free - m
-    unused = torch.full_like(draft, s_max)  # sorts after every position, then cut off
-    parts = [sinks, recent, torch.where(take_draft, draft, unused), torch.where(take_target, target, unused)]
-    chosen = torch.cat(parts, dim=1).sort(dim=1).values[:, :budget].to(torch.int32)  # k valid, then the unused
-    return torch.where(seqlens[:, None] > budget, chosen, _keep_all(seqlens, budget))
-
-
 def adaptive_m(draft_confidence: torch.Tensor, free: int) -> torch.Tensor:
     """Input-aware draft share: m_b = round(free * E[a_b] / (1 + E[a_b])) -> int64 [B].
 
@@ -264,7 +223,9 @@ class StreamingLLMVerify(SelectionVerifier):
     name = "streamingllm"
 
     def select(self) -> None:
-        self.indices.copy_(streamingllm_indices(self.tcache.seqlens, self.budget, self.n_sink))
+        from trtllm_dustin.plugins import streaming_indices
+
+        self.indices.copy_(streaming_indices(self.tcache.seqlens, self.budget, self.n_sink))
 
 
 class SnapKVVerify(SelectionVerifier):
@@ -398,22 +359,17 @@ class DustinAdaptive(Dustin):
         self.draft_confidence[:, step] = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
         return logits
 
-    def estimate(self) -> None:
-        from trtllm_dustin.plugins import srh_score
-
-        L = self.tcache.seqlens
-        for i, lh in enumerate(self.cfg.draft_layers):
-            srh_score(self.draft_q[lh.layer], self.dcache.k[lh.layer], L, lh.heads, out=self.s_draft, accumulate=i > 0)
-        for i, lh in enumerate(self.cfg.target_layers):
-            srh_score(self.history_q[lh.layer], self.tcache.k[lh.layer], L - 1, lh.heads, out=self.s_target,
-                      accumulate=i > 0)
+    def estimate(self) -> None:  # m varies per sequence, so both sources are always scored
+        self.score_draft()
+        self.score_target()
 
     def select(self) -> None:
+        from trtllm_dustin.plugins import select_verify_indices
+
         cfg = self.cfg
         self.m_per_sequence.copy_(adaptive_m(self.draft_confidence, cfg.budget - cfg.n_sink - cfg.n_recent))
-        self.indices.copy_(select_verify_indices_per_sequence(self.s_draft, self.s_target, self.tcache.seqlens,
-                                                              cfg.budget, self.m_per_sequence, cfg.n_sink,
-                                                              cfg.n_recent))
+        self.indices.copy_(select_verify_indices(self.s_draft, self.s_target, self.tcache.seqlens, cfg.budget,
+                                                 self.m_per_sequence, cfg.n_sink, cfg.n_recent))
 
 
 # ---- registry entries (runtime/methods.py merges these into METHODS) -----------------------------------------------

@@ -62,17 +62,26 @@ class Dustin(SpeculativeDecoder):
                                                     self.history_q[layer]))
 
     def estimate(self) -> None:
+        if self.cfg.m > 0:  # Dustin-T never reads S_draft
+            self.score_draft()
+        if self.cfg.m < self.cfg.budget - self.cfg.n_sink - self.cfg.n_recent:  # Dustin-D never reads S_target
+            self.score_target()
+
+    def score_draft(self) -> None:
+        """S_draft: the draft's SRH layers, drafted queries at L .. L+Γ-1 over the context [0, L)."""
         from trtllm_dustin.plugins import srh_score
 
-        L = self.tcache.seqlens
-        if self.cfg.m > 0:  # Dustin-T never reads S_draft
-            for i, lh in enumerate(self.cfg.draft_layers):  # drafted queries sit at L .. L+Γ-1; context [0, L)
-                srh_score(self.draft_q[lh.layer], self.dcache.k[lh.layer], L, lh.heads, out=self.s_draft,
-                          accumulate=i > 0)
-        if self.cfg.m < self.cfg.budget - self.cfg.n_sink - self.cfg.n_recent:  # Dustin-D never reads S_target
-            for i, lh in enumerate(self.cfg.target_layers):  # the last committed token sits at L - 1
-                srh_score(self.history_q[lh.layer], self.tcache.k[lh.layer], L - 1, lh.heads, out=self.s_target,
-                          accumulate=i > 0)
+        for i, lh in enumerate(self.cfg.draft_layers):
+            srh_score(self.draft_q[lh.layer], self.dcache.k[lh.layer], self.tcache.seqlens, lh.heads,
+                      out=self.s_draft, accumulate=i > 0)
+
+    def score_target(self) -> None:
+        """S_target: the target's SRH layers, the last committed token's query (at L - 1) over [0, L - 1)."""
+        from trtllm_dustin.plugins import srh_score
+
+        for i, lh in enumerate(self.cfg.target_layers):
+            srh_score(self.history_q[lh.layer], self.tcache.k[lh.layer], self.tcache.seqlens - 1, lh.heads,
+                      out=self.s_target, accumulate=i > 0)
 
     def select(self) -> None:
         from trtllm_dustin.plugins import select_verify_indices

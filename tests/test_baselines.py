@@ -18,16 +18,14 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
-from trtllm_dustin.plugins.selection import select_verify_indices
+from trtllm_dustin.plugins.selection import select_verify_indices, streaming_indices
 from trtllm_dustin.runtime.baselines import (
     adaptive_m,
     quest_indices,
     quest_page_scores,
-    select_verify_indices_per_sequence,
     snapkv_indices,
     snapkv_priority,
     snapkv_scores,
-    streamingllm_indices,
 )
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 
@@ -109,7 +107,7 @@ def valid(row: torch.Tensor) -> list[int]:
 # ---- the policies on planted inputs ---------------------------------------------------------------------------------
 def test_streamingllm_matches_reference() -> None:
     lengths = [1, 7, 12, 13, 50, 200]
-    got = streamingllm_indices(torch.tensor(lengths, dtype=torch.int32), 12)
+    got = streaming_indices(torch.tensor(lengths, dtype=torch.int32), 12)
     assert got.dtype == torch.int32 and got.shape == (len(lengths), 12)
     for row, length in zip(got, lengths, strict=True):
         assert valid(row) == streamingllm_ref(length, 12)
@@ -171,7 +169,7 @@ def test_per_sequence_m_equals_eq6_row_by_row() -> None:
     s_draft, s_target = torch.rand(B, S, generator=gen), torch.rand(B, S, generator=gen)
     lens = torch.tensor([90, 31, 30, 64, 77], dtype=torch.int32)
     m = torch.tensor([0, 20, 5, 7, 20])
-    got = select_verify_indices_per_sequence(s_draft, s_target, lens, budget, m, n_sink, n_recent)
+    got = select_verify_indices(s_draft, s_target, lens, budget, m, n_sink, n_recent)
     for b in range(B):
         ref = select_verify_indices(s_draft[b: b + 1], s_target[b: b + 1], lens[b: b + 1], budget, int(m[b]), n_sink,
                                     n_recent)
