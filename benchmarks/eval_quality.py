@@ -205,7 +205,7 @@ def dustin_for(base: DustinConfig | None, variant: Variant) -> DustinConfig | No
 
 
 def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, samples: dict[tuple[str, int], list[Sample]],
-             device, dtype) -> list[dict]:
+             device, dtype, partial: Path | None = None) -> list[dict]:
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     records = []
     for (task, context), task_samples in samples.items():
@@ -251,6 +251,9 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
                       + " ".join(f"{m} {np.mean([x[m] for x in per_sample]):.3f}" for m in per_sample[0]
                                  if m != "output") + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
             del pre
+            if partial is not None:  # no lost work: a run cut short keeps every finished batch
+                save_json(partial, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                    "records": records})
     return records
 
 
@@ -419,7 +422,12 @@ def main() -> None:
     parser.add_argument("--tasks-file", type=Path, default=None, help="samples from --save-tasks (no corpora needed)")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality" / ("quality.json"))
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="combine the records of earlier runs (e.g. one per context) into --out; runs nothing")
     args = parser.parse_args()
+    if args.merge:
+        merge_runs(args.merge, args.out)
+        return
     if "classic" in args.methods:
         args.methods = ["classic"] + [m for m in args.methods if m != "classic"]
     elif "books" in args.tasks:
@@ -457,7 +465,8 @@ def main() -> None:
     if dustin is not None:
         dustin = replace(dustin, gamma=args.gamma)
     t0 = time.perf_counter()
-    records = evaluate(args, target.model, target.tokenizer, draft, dustin, samples, device, dtype)
+    records = evaluate(args, target.model, target.tokenizer, draft, dustin, samples, device, dtype,
+                       partial=args.out.with_suffix(".partial.json"))
     summary = summarise_records(records)
     present = list(samples)
     table = markdown(summary, args, present)
@@ -468,6 +477,39 @@ def main() -> None:
     args.out.with_suffix(".md").write_text(table + "\n")
     print(table)
     plot(summary, args, present, args.out.with_suffix(".png"))
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+
+
+def merge_runs(paths: list[Path], out: Path) -> None:
+    """One results file, table and plot from runs over disjoint (task, context) sets with the same methods."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    first = runs[0]
+    for p, run in zip(paths[1:], runs[1:], strict=True):
+        for key in ("methods", "budgets", "m_sweep", "gamma"):
+            if run["args"][key] != first["args"][key]:
+                raise SystemExit(f"--merge: {p} has {key}={run['args'][key]}, {paths[0]} has {first['args'][key]}; "
+                                 "merge only runs with the same methods, budgets, m sweep and gamma")
+    seen, records = set(), []
+    for p, run in zip(paths, runs, strict=True):
+        cells = {(r["task"], r["context"]) for r in run["records"]}
+        if cells & seen:
+            raise SystemExit(f"--merge: {p} repeats task/context {sorted(cells & seen)}; give each cell once")
+        seen |= cells
+        records += run["records"]
+    args = argparse.Namespace(**{**first["args"], "contexts": sorted({c for _, c in seen}),
+                                 "tasks": sorted({t for t, _ in seen})})
+    present = sorted(seen, key=lambda tc: (tc[1], list(TASKS).index(tc[0])))
+    summary = summarise_records(records)
+    table = markdown(summary, args, present)
+    save_json(out, {**{k: first[k] for k in first if k not in ("summary", "records", "args", "seconds")},
+                    "merged_from": [{"file": p.name, "command": r.get("command"), "git_sha": r.get("git_sha"),
+                                     "date": r.get("date"), "seconds": r.get("seconds")}
+                                    for p, r in zip(paths, runs, strict=True)],
+                    "args": vars(args), "seconds": sum(r.get("seconds", 0) for r in runs),
+                    "summary": summary, "records": records})
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    plot(summary, args, present, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -146,3 +146,37 @@ def test_qa_bad_sizes_are_refused_with_the_fix(qa_tokenizer) -> None:
         quality_tasks.qa_samples(qa_tokenizer, 100, 2, 0)
     with pytest.raises(ValueError, match=r"100000 samples .* ask for at most"):
         quality_tasks.qa_samples(qa_tokenizer, 1024, 100_000, 0)
+
+
+def _run_file(path: Path, records: list[dict], args: dict, seconds: float) -> Path:
+    path.write_text(json.dumps({"command": "x", "git_sha": "abc", "date": "d", "args": args, "seconds": seconds,
+                                "summary": {}, "records": records}))
+    return path
+
+
+def test_merge_of_runs_split_by_task_equals_the_summary_of_all_records(tmp_path) -> None:
+    """Runs split per context / task (one device call each) merge into the summary of their union; overlaps refused."""
+    def record(task, key, budget, metric, hist):
+        return {"task": task, "context": 4096, "key": key, "method": key, "budget": budget, "m_fraction": None,
+                "m": None, "m_used_mean": None, "committed_hist": hist, "samples": [0, 1], "kinds": ["a", "a"],
+                "per_sample": [{"string_match": metric[0]}, {"string_match": metric[1]}], "seconds": 1.0}
+    args = {"methods": ["classic", "dustin-h"], "budgets": [128], "m_sweep": [], "gamma": 3, "contexts": [4096],
+            "tasks": ["needle"]}
+    needle = [record("needle", "classic", None, (1.0, 0.0), [1, 2, 0, 0]),
+              record("needle", "dustin-h", 128, (1.0, 1.0), [2, 1, 0, 0])]
+    vt = [record("vt", "classic", None, (0.0, 0.0), [0, 0, 1, 1]),
+          record("vt", "dustin-h", 128, (0.0, 1.0), [3, 0, 0, 0])]
+    a = _run_file(tmp_path / "a.json", needle, args, 2.0)
+    b = _run_file(tmp_path / "b.json", vt, {**args, "tasks": ["vt"]}, 3.0)
+    out = tmp_path / "merged.json"
+    eval_quality.merge_runs([a, b], out)
+    merged = json.loads(out.read_text())
+    assert merged["summary"] == json.loads(json.dumps(eval_quality.summarise_records(needle + vt)))
+    assert merged["seconds"] == 5.0 and [m["file"] for m in merged["merged_from"]] == ["a.json", "b.json"]
+    assert merged["summary"]["vt|4096|dustin-h|128"]["string_match"]["mean"] == 0.5
+    assert "needle" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit, match="repeats task/context"):
+        eval_quality.merge_runs([a, a], tmp_path / "bad.json")
+    c = _run_file(tmp_path / "c.json", vt, {**args, "budgets": [256]}, 1.0)
+    with pytest.raises(SystemExit, match="budgets"):
+        eval_quality.merge_runs([a, c], tmp_path / "bad.json")
