@@ -254,7 +254,7 @@ def make_problem(shape, batch, length, t, dtype=torch.bfloat16):
 def timed(rows, label, calls, **record):
     """Time `calls` in a graph and append a sweep row; an infeasible config is recorded, not fatal."""
     try:
-        ms = graph_ms(calls, 10)
+        ms = graph_ms(calls, 30)
     except Exception as error:  # e.g. out of shared memory for this tile shape
         rows.append({**record, "error": str(error)[:200]})
         return
@@ -267,8 +267,9 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
     shape = TARGETS["Qwen2.5-72B"]
     # Run 2 settled block_m=64 and index prefetch; run 3 (at 2a61390) also tried K/V register prefetch and
     # a separate new-token tile, neither kept (attention_h200.sweep3.json). This grid re-checks the rest.
-    configs = [dict(block_m=64, block_n=n, num_stages=st, num_warps=w, num_splits=splits)
-               for n in (32, 64, 128) for st in (2, 3) for w in (4, 8) for splits in (1, 2)]
+    # Run 4 tries key splits merged inside the kernel (fused_combine): no second launch for the merge.
+    configs = [dict(block_m=64, block_n=n, num_stages=3, num_warps=4, num_splits=splits, fused_combine=fused)
+               for n in (32, 64) for splits in (1, 2, 3, 4) for fused in (True, False) if fused or splits == 2]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")

@@ -52,7 +52,7 @@ def _sparse_verify_attention_kernel(
     batch, num_kv_heads, num_indices, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
-    DOT_MODE: tl.constexpr,
+    DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -106,11 +106,65 @@ def _sparse_verify_attention_kernel(
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
+    if FUSED_COMBINE:  # the last program of this (pair, row block) to finish merges the splits: no second launch
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        counter = counters_ptr + pair * ROW_BLOCKS + row_block
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replays too)
+            merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits,
+                             batch, T, num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
+
+
+@triton.jit
+def merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits, batch, T,
+                     num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """combine_splits for one program's rows, inside the kernel (partials read past L1: other SMs wrote them)."""
+    rows = batch * T * num_heads
+    row = (b * T + t_row) * num_heads + head
+    m_max = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        l_s = tl.load(ml_part_ptr + (num_splits + s) * rows + row, mask=row_ok, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m_s - m_max)
+        denom += w * l_s
+        part = (s * rows + row).to(tl.int64) * HEAD_DIM
+        o_s = tl.load(o_part_ptr + part[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+        o += w[:, None] * o_s
+    denom = tl.where(row_ok, denom, 1.0)
+    out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], (o / denom[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453, mask=row_ok)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for fused split merging, one buffer per (device, stream), kept between launches
+    (each launch leaves them at zero). Grown outside CUDA-graph capture; a capture that needs more gets its own
+    zeroed buffer (a memset node in the graph) instead of caching memory from the graph's pool."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _COUNTERS[key] = fresh
+    return fresh
 
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True):
+                                    prefetch_indices=True, fused_combine=True):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -124,7 +178,9 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
                      of one (b, kv head) (row_blocks = cdiv(T * G, block_m): the programs of one
                      pair gather the same rows, the repeats served from L2) and items
                      [split * chunk, (split + 1) * chunk) of the K + T item list;
-                     num_splits > 1 adds the combine_splits launch.
+                     num_splits > 1: the last program of each (pair, row block) to finish merges the
+                     partials (fused_combine, arrival counters from split_counters), or the combine_splits
+                     launch does (fused_combine=False).
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
@@ -135,6 +191,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     block_m = min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
     row_blocks = triton.cdiv(t * group, block_m)
     direct = num_splits == 1
+    fused = fused_combine and not direct
+    counters = split_counters(q.device, batch * heads_kv * row_blocks) if fused else cache_seqlens  # else unused
     if direct:
         o_part = ml_part = out  # unused
     else:
@@ -150,9 +208,9 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        FUSED_COMBINE=fused, counters_ptr=counters, num_warps=num_warps, num_stages=num_stages,
     )
-    if not direct:
+    if not direct and not fused:
         combine_splits(o_part, ml_part, out, lse)
 
 

@@ -136,19 +136,31 @@ def test_all_indices_equal_full_attention(length, t, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_splits, block_m, prefetch_indices", [(1, 16, False), (2, 32, True), (7, 64, False)])
-def test_launch_configs_agree(num_splits, block_m, prefetch_indices):
-    """Key splits, query-row blocks and index prefetching change the schedule, not the result."""
-    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+@pytest.mark.parametrize("num_splits, block_m, prefetch_indices, fused_combine",
+                         [(1, 16, False, True), (2, 32, True, True), (2, 32, True, False), (7, 64, False, True),
+                          (7, 16, False, False), (3, 16, True, True)])
+def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine):
+    """Key splits (merged in-kernel or by a second launch), query-row blocks and index prefetching change the
+    schedule, not the result; the in-kernel merge leaves its arrival counters at zero for the next launch."""
+    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward, split_counters
 
     torch.manual_seed(num_splits)
     q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
         900, 4, 2, 4, 64, torch.float32, 400, "scattered")
-    out = torch.full_like(q, float("nan"))
-    lse = torch.empty(q.shape[:3], device=DEVICE)
-    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits,
-                                    block_m=block_m, prefetch_indices=prefetch_indices)
-    assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
+    expected = reference(q, k_clean, v_clean, seqlens, indices, 0.125)
+    lse_one = torch.empty(q.shape[:3], device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_one,
+                                    num_splits=1)
+    for _ in range(2):  # the second launch reuses the counters the first one left behind
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+        sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse,
+                                        num_splits=num_splits, block_m=block_m, prefetch_indices=prefetch_indices,
+                                        fused_combine=fused_combine)
+        assert_close(out, expected, torch.float32)
+        torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)  # the merged log-sum-exp, same as one pass
+    if fused_combine and num_splits > 1:
+        assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("bad, message", [("dtype", "int32"), ("rows", r"\[2, K\]")])
