@@ -212,6 +212,10 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
         new_tokens = args.new_tokens if task == "books" else args.answer_tokens
         for i in range(0, len(task_samples), args.batch_size):
             batch = task_samples[i: i + args.batch_size]
+            if task == "books" and min(len(s.continuation) for s in batch) < new_tokens:
+                new_tokens = min(len(s.continuation) for s in batch)  # a --tasks-file saved with fewer
+                print(f"books @ {context}: the stored continuations hold {new_tokens} tokens; trajectories use "
+                      f"{new_tokens} (re-save the tasks with --new-tokens {args.new_tokens} for longer ones)")
             prompts = [s.prompt for s in batch]
             max_len = max(len(p) for p in prompts) + new_tokens + args.gamma + 8
             pre = prefill_batch(target, draft, prompts, max_len, dtype, device, backend)
