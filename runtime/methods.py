@@ -10,7 +10,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.runtime.baselines import BASELINE_METHODS
+from trtllm_dustin.runtime.baselines import BASELINE_METHODS, EVALUATION_METHODS
 from trtllm_dustin.runtime.classic import ClassicSD
 from trtllm_dustin.runtime.dustin import Dustin
 from trtllm_dustin.runtime.dustin_sparse_draft import DustinSparseDraft
@@ -60,11 +60,15 @@ METHODS: dict[str, Callable[[MethodSetup], VanillaDecoder | SpeculativeDecoder]]
     "dustin-t": _dustin("t"),
     "dustin-d": _dustin("d"),
     "dustin-h-sparse-draft": _dustin("h", DustinSparseDraft),
-    **BASELINE_METHODS,  # streamingllm, snapkv, quest (sparse-verification baselines), dustin-h-adaptive
+    **BASELINE_METHODS,  # streamingllm, snapkv, quest (sparse-verification baselines)
 }
 
 
 def build_decoder(method: str, setup: MethodSetup) -> VanillaDecoder | SpeculativeDecoder:
+    """A decoder for one of METHODS (the user-facing choices), or for an evaluation-only method (EVALUATION_METHODS:
+    measured by benchmarks/eval_quality.py, not offered as an option because it did not help)."""
+    if method in EVALUATION_METHODS:
+        return EVALUATION_METHODS[method](setup)
     if method not in METHODS:
         raise ConfigError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}")
     return METHODS[method](setup)

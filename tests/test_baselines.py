@@ -311,3 +311,13 @@ def test_baselines_without_a_draft_or_config_say_what_to_pass(env: Env, method: 
                         backend=None, dustin=dustin_config(budget=48, m=4))
     with pytest.raises(ConfigError, match="--draft"):
         build_decoder(method, setup)
+
+
+def test_input_aware_m_is_evaluation_only() -> None:
+    """It lost to the fixed m on the H200 quality run, so the CLI does not offer it; eval_quality still builds it."""
+    from trtllm_dustin.cli import build_parser
+    from trtllm_dustin.runtime.methods import EVALUATION_METHODS, METHODS
+
+    assert "dustin-h-adaptive" in EVALUATION_METHODS and "dustin-h-adaptive" not in METHODS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--method", "dustin-h-adaptive", "--prompt", "x"])
