@@ -378,8 +378,15 @@ def plot(summary: dict, args, tasks_present: list[tuple[str, int]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(tasks_present), figsize=(4.2 * len(tasks_present), 3.6), squeeze=False)
-    for ax, (task, context) in zip(axes[0], tasks_present, strict=True):
+    contexts = sorted({c for _, c in tasks_present})  # one row of panels per context, one column per task
+    tasks = list(dict.fromkeys(t for t, _ in tasks_present))
+    fig, axes = plt.subplots(len(contexts), len(tasks), figsize=(4.2 * len(tasks), 3.6 * len(contexts)),
+                             squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for task, context in tasks_present:
+        ax = axes[contexts.index(context)][tasks.index(task)]
+        ax.set_visible(True)
         metric = PRIMARY[task]
         full = _get(summary, task, context, "classic", None)
         if full:
@@ -394,8 +401,9 @@ def plot(summary: dict, args, tasks_present: list[tuple[str, int]], path: Path) 
         ax.set_xlabel("budget k")
         ax.set_ylabel(f"{metric} x 100")
         ax.set_title(f"{task} @ {context}", fontsize=10)
-    axes[0][-1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    handles, labels = next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    fig.tight_layout(rect=(0, 0.06 / len(contexts), 1, 1))
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
