@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (or vanilla steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
+    parser.add_argument("--fused-elementwise", choices=["off", "on"], default="off",
+                        help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     device = torch.device(args.device)
@@ -180,6 +182,7 @@ def main() -> None:
     max_pos = max(contexts) + 4096
     target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
     draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
+    target.fused_elementwise = draft.fused_elementwise = args.fused_elementwise == "on"
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         rows += bench_batch(pair, target, draft, batch, contexts, args, device, dtype)
@@ -187,7 +190,8 @@ def main() -> None:
     where = "h200" if device.type == "cuda" else "cpu"
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
-                    "gamma": pair.gamma, "dustin_config": "hand-written placeholder (paper-sized), not searched: "
+                    "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
+                    "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         fields = ["batch", "context", "method", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round", "tau_stated",

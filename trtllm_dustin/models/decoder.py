@@ -3,10 +3,17 @@
 q/k/v are one fused projection and gate/up another, so a decode step reads each weight once in one
 matmul. Every forward writes its tokens' K/V into the static cache at positions L_b + t and lets the
 attention backend read the cache; `cache.seqlens` is advanced by the decode loop, not here.
+
+`Transformer.fused_elementwise` (default: the TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, off unless
+"1") runs the elementwise work between the matmuls as three fused kernels (plugins/fused_ops.py): residual add +
+RMSNorm, rotary embedding of q/k + the K/V cache write, and SiLU x up. Same arithmetic as the module code (up to a
+rare last-ulp flip); about 10 kernels per layer instead of about 50, which is what a CUDA-graph replay of a small
+batch pays for. Inference only (`forward_train` keeps the module code).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +24,7 @@ from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
+from trtllm_dustin.plugins.fused_ops import add_rms_norm, rope_qkv_to_cache, silu_mul
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
@@ -66,6 +74,20 @@ class Attention(nn.Module):
         out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
         return self.wo(out.reshape(B, T, Hq * D))
 
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                      capture: QueryCapture | None) -> torch.Tensor:
+        """`forward` with the rotary embedding and the cache write in one kernel."""
+        B, T, _ = x.shape
+        k_cache, v_cache = cache.layer(layer_index)
+        q = rope_qkv_to_cache(self.wqkv(x), cos, sin, k_cache, v_cache, positions, self.num_heads,
+                              self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
+        if capture is not None and layer_index in capture.queries:
+            buffer = capture.queries[layer_index]
+            buffer.copy_(q[:, T - buffer.shape[1]:])
+        out = backend.attend(q, k_cache, v_cache, meta)
+        return self.wo(out.reshape(B, T, self.num_heads * self.head_dim))
+
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -77,6 +99,9 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
         return self.w_down(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(silu_mul(self.w_gate_up(x)))
 
 
 class Block(nn.Module):
@@ -104,6 +129,7 @@ class Transformer(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.fused_elementwise = os.environ.get("TRTLLM_DUSTIN_FUSED_ELEMENTWISE") == "1"
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """(Re)build the cos/sin tables on the model's device for positions < max_positions."""
@@ -123,12 +149,30 @@ class Transformer(nn.Module):
         positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         h = self.embed(tokens)  # [B, T, hidden]
+        if self.fused_elementwise:
+            return self._forward_fused(h, cos, sin, positions, cache, meta, backend, logit_index, capture)
         for i, block in enumerate(self.layers):
             h = h + block.attention(block.attention_norm(h), cos, sin, positions, i, cache, meta, backend, capture)
             h = h + block.feed_forward(block.ffn_norm(h))
         if logit_index is not None:
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
         logits = self.full_vocab(F.linear(self.norm(h), self.output_weight()).float())
+        return logits[:, 0] if logit_index is not None else logits
+
+    def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
+        """`forward`'s layers with each residual add folded into the next RMSNorm (fused_elementwise)."""
+        B, delta = h.shape[0], None
+        for i, block in enumerate(self.layers):
+            x, h = add_rms_norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
+            delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture)
+            x, h = add_rms_norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
+            delta = block.feed_forward.forward_fused(x)
+        if logit_index is not None:
+            rows = torch.arange(B, device=h.device), logit_index
+            x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
+        else:
+            x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps)
+        logits = self.full_vocab(F.linear(x, self.output_weight()).float())
         return logits[:, 0] if logit_index is not None else logits
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
