@@ -16,7 +16,8 @@ the draft's cache is restored before each method), so methods differ only in the
     python benchmarks/eval_quality.py --draft preset:smollm2-draft-random --ignore-fingerprints   # reduced, CPU
     python benchmarks/eval_quality.py --save-tasks .carry/quality_tasks.json --contexts 4096 8192 --samples 60
     python benchmarks/eval_quality.py --tasks-file .carry/quality_tasks.json --draft smollm2-draft \\
-        --contexts 4096 8192 --samples 60 --out benchmarks/results/quality/quality_h200.json           # GPU
+        --contexts 4096 8192 --samples 60 --batch-size 60 --jobs 2 \\
+        --out benchmarks/results/quality/quality_h200.json                                                 # GPU
 
 Writes JSON (every sample's metrics), a markdown table beside it (.md) and a plot of accuracy vs budget (.png).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -436,9 +438,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "quality" / ("quality.json"))
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="combine the records of earlier runs (e.g. one per context) into --out; runs nothing")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="run the --contexts as this many concurrent processes (<out>_<context>.json each, then "
+                             "merged into --out): the 135M pair is launch-bound, so a GPU runs two almost for free")
     args = parser.parse_args()
     if args.merge:
         merge_runs(args.merge, args.out)
+        return
+    if args.jobs > 1 and len(args.contexts) > 1:
+        run_contexts_in_parallel(sys.argv[1:], args.contexts, args.out, args.jobs)
         return
     if "classic" in args.methods:
         args.methods = ["classic"] + [m for m in args.methods if m != "classic"]
@@ -490,6 +498,56 @@ def main() -> None:
     print(table)
     plot(summary, args, present, args.out.with_suffix(".png"))
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+
+
+def context_commands(argv: list[str], contexts: list[int], out: Path) -> list[tuple[list[str], Path]]:
+    """This run's command line once per context (--contexts, --out and --jobs replaced): (argv, its out file)."""
+    several = {"--contexts": True, "--out": False, "--jobs": False}  # the options replaced -> take several values?
+    rest, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        name = arg.split("=", 1)[0]
+        if name not in several:
+            rest.append(arg)
+        elif "=" not in arg:  # skip its value(s) too
+            if several[name]:
+                while i < len(argv) and not argv[i].startswith("-"):
+                    i += 1
+            else:
+                i += 1
+    runs = []
+    for c in contexts:
+        part = out.with_name(f"{out.stem}_{c}.json")
+        runs.append(([sys.executable, str(Path(__file__).resolve()), *rest, "--contexts", str(c), "--out", str(part)],
+                     part))
+    return runs
+
+
+def run_contexts_in_parallel(argv: list[str], contexts: list[int], out: Path, jobs: int) -> None:
+    """One process per context, `jobs` at a time, each logging to <part>.log; then --merge of their results."""
+    import subprocess
+
+    pending, running, done = context_commands(argv, contexts, out), [], []
+    t0 = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd, part = pending.pop(0)
+            log = open(part.with_suffix(".log"), "w")  # noqa: SIM115 (closed when the process ends)
+            print(f"started: {' '.join(cmd)} (log {log.name})", flush=True)
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), part, log))
+        time.sleep(1)
+        for proc, part, log in [r for r in running if r[0].poll() is not None]:
+            running.remove((proc, part, log))
+            log.close()
+            if proc.returncode != 0:
+                for other, _, _ in running:
+                    other.terminate()
+                raise SystemExit(f"{part.name}: exit status {proc.returncode}; see {log.name} (finished batches are "
+                                 f"in {part.with_suffix('.partial.json').name})")
+            print(f"finished {part.name} after {time.perf_counter() - t0:.0f} s", flush=True)
+            done.append(part)
+    merge_runs(sorted(done, key=lambda p: contexts.index(int(p.stem.rsplit("_", 1)[1]))), out)
+    print(f"{len(contexts)} contexts in {time.perf_counter() - t0:.0f} s with {jobs} processes")
 
 
 def merge_runs(paths: list[Path], out: Path) -> None:

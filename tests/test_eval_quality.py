@@ -180,3 +180,41 @@ def test_merge_of_runs_split_by_task_equals_the_summary_of_all_records(tmp_path)
     c = _run_file(tmp_path / "c.json", vt, {**args, "budgets": [256]}, 1.0)
     with pytest.raises(SystemExit, match="budgets"):
         eval_quality.merge_runs([a, c], tmp_path / "bad.json")
+
+
+def test_context_commands_replace_contexts_out_and_jobs(tmp_path) -> None:
+    argv = ["--tasks-file", "t.json", "--contexts", "4096", "8192", "--jobs=2", "--samples", "60", "--out",
+            str(tmp_path / "q.json"), "--m-sweep", "0", "1"]
+    runs = eval_quality.context_commands(argv, [4096, 8192], tmp_path / "q.json")
+    assert [part.name for _, part in runs] == ["q_4096.json", "q_8192.json"]
+    for (cmd, part), c in zip(runs, (4096, 8192), strict=True):
+        assert cmd[2:] == ["--tasks-file", "t.json", "--samples", "60", "--m-sweep", "0", "1", "--contexts", str(c),
+                           "--out", str(part)]
+
+
+def test_contexts_in_parallel_merge_and_a_failure_stops_the_run(tmp_path, monkeypatch) -> None:
+    """The orchestration with stand-in children that write a run file each (a real child is a GPU-minutes run)."""
+    args = {"methods": ["classic"], "budgets": [128], "m_sweep": [], "gamma": 3}
+    record = {"task": "needle", "key": "classic", "method": "classic", "budget": None, "m_fraction": None, "m": None,
+              "m_used_mean": None, "committed_hist": [1, 1, 0, 0], "samples": [0], "kinds": ["a"],
+              "per_sample": [{"string_match": 1.0}], "seconds": 1.0}
+
+    def fake_commands(argv, contexts, out, fail=None):
+        runs = []
+        for c in contexts:
+            part = out.with_name(f"{out.stem}_{c}.json")
+            run = {"command": "x", "args": args, "seconds": 2.0, "summary": {}, "records": [{**record, "context": c}]}
+            code = f"import json,sys; open({str(part)!r}, 'w').write({json.dumps(json.dumps(run))}); " + (
+                "sys.exit(3)" if c == fail else "")
+            runs.append(([sys.executable, "-c", code], part))
+        return runs
+
+    monkeypatch.setattr(eval_quality, "context_commands", fake_commands)
+    out = tmp_path / "q.json"
+    eval_quality.run_contexts_in_parallel([], [4096, 8192], out, jobs=2)
+    merged = json.loads(out.read_text())
+    assert sorted(merged["summary"]) == ["needle|4096|classic|None", "needle|8192|classic|None"]
+    assert merged["args"]["contexts"] == [4096, 8192]
+    monkeypatch.setattr(eval_quality, "context_commands", lambda a, c, o: fake_commands(a, c, o, fail=8192))
+    with pytest.raises(SystemExit, match="q2_8192.json: exit status 3"):
+        eval_quality.run_contexts_in_parallel([], [4096, 8192], tmp_path / "q2.json", jobs=2)
