@@ -14,7 +14,8 @@ Each batch is prefilled once; every method then starts from the same caches (dec
 the draft's cache is restored before each method), so methods differ only in their verification sets.
 
     python benchmarks/eval_quality.py --draft preset:smollm2-draft-random --ignore-fingerprints   # reduced, CPU
-    python benchmarks/eval_quality.py --save-tasks .carry/quality_tasks.json --contexts 4096 8192 --samples 60
+    python benchmarks/eval_quality.py --save-tasks .carry/quality_tasks.json --contexts 4096 8192 --samples 60 \\
+        --new-tokens 64                                                 # CPU, corpora installed; 53 s
     python benchmarks/eval_quality.py --tasks-file .carry/quality_tasks.json --draft smollm2-draft \\
         --contexts 4096 8192 --samples 60 --batch-size 60 --jobs 2 \\
         --out benchmarks/results/quality/quality_h200.json                                                 # GPU

@@ -38,7 +38,11 @@ MIN_KEYS_PER_SPLIT = 1024
 # shape) also tried K/V register prefetch (never faster), a separate new-token tile (within the
 # +-1.5 us noise: 16.3 vs 18.2 us at T=4, 18.6 vs 17.1 at T=5) and 2-3 splits (21-25 us): none kept.
 # Time against k is linear at ~0.022 us per key index (2.9 TB/s of random 256-byte row gathers)
-# on top of ~6 us fixed (benchmarks/results/attention_h200.sweep3.json).
+# on top of ~6 us fixed (benchmarks/results/attention_h200.sweep3.json). Run 4 (8f11f02) merged key
+# splits inside the kernel (fused_combine: no second launch): 2 splits 19.0-20.5 us at T=5 and
+# 20.1-23.2 us at T=4 against 17.0 / 17.5 us for one split, so the extra programs do not pay for their
+# partials even without the combine launch (attention_h200.sweep4.json); the heuristic's one split at
+# k = 512 stands, and longer index lists that do split (k >= 1024) now merge in-kernel.
 
 
 @triton.jit
