@@ -573,6 +573,8 @@ def merge_runs(paths: list[Path], out: Path) -> None:
     summary = summarise_records(records)
     table = markdown(summary, args, present)
     save_json(out, {**{k: first[k] for k in first if k not in ("summary", "records", "args", "seconds")},
+                    "command": "python benchmarks/eval_quality.py --merge " + " ".join(p.name for p in paths)
+                               + f" --out {out.name}",
                     "merged_from": [{"file": p.name, "command": r.get("command"), "git_sha": r.get("git_sha"),
                                      "date": r.get("date"), "seconds": r.get("seconds")}
                                     for p, r in zip(paths, runs, strict=True)],
