@@ -20,14 +20,16 @@ from .split_kv import (
     NEG_BIG,
     combine_splits,
     dot_mode,
+    merge_if_last,
     online_softmax_update,
     pick_num_splits,
     runs_triton,
+    split_counters,
     store_split_result,
     tile_dot,
 )
 
-__all__ = ["sparse_verify_attention", "sparse_verify_attention_forward"]
+__all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_counters"]
 
 # Sparse chunks are short (k = 512 keys in all): the partial outputs and the combine launch cost
 # more than extra key splits gain (H200: 1 split 23.8 us, 4 splits 39.7 us at B=16, 72B heads).
@@ -111,59 +113,9 @@ def _sparse_verify_attention_kernel(
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
     if FUSED_COMBINE:  # the last program of this (pair, row block) to finish merges the splits: no second launch
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        counter = counters_ptr + pair * ROW_BLOCKS + row_block
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replays too)
-            merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits,
-                             batch, T, num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
-
-
-@triton.jit
-def merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits, batch, T,
-                     num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """combine_splits for one program's rows, inside the kernel (partials read past L1: other SMs wrote them)."""
-    rows = batch * T * num_heads
-    row = (b * T + t_row) * num_heads + head
-    m_max = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    for s in range(num_splits):
-        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_s)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(num_splits):
-        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
-        l_s = tl.load(ml_part_ptr + (num_splits + s) * rows + row, mask=row_ok, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - m_max)
-        denom += w * l_s
-        part = (s * rows + row).to(tl.int64) * HEAD_DIM
-        o_s = tl.load(o_part_ptr + part[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-        o += w[:, None] * o_s
-    denom = tl.where(row_ok, denom, 1.0)
-    out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], (o / denom[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453, mask=row_ok)
-
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for fused split merging, one buffer per (device, stream), kept between launches
-    (each launch leaves them at zero). Grown outside CUDA-graph capture; a capture that needs more gets its own
-    zeroed buffer (a memset node in the graph) instead of caching memory from the graph's pool."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    fresh = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        _COUNTERS[key] = fresh
-    return fresh
+        merge_if_last(counters_ptr + pair * ROW_BLOCKS + row_block, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b,
+                      t_row, head, row_ok, offs_d, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh,
+                      BLOCK_M, HEAD_DIM)
 
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,

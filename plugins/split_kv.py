@@ -2,9 +2,11 @@
 
 A decode/verify step has only B * H_kv (sequence, KV head) pairs, too few to fill 132 SMs at
 batch 8-16, so each pair's keys are cut into `num_splits` chunks, every chunk writes an
-unnormalised partial output plus its running max and denominator, and `combine_splits` merges
-them with the usual log-sum-exp rescaling. Everything is in base 2 inside the kernels
-(`exp2` is one instruction); the log-sum-exp handed back to callers is natural log.
+unnormalised partial output plus its running max and denominator, and the chunks are merged with
+the usual log-sum-exp rescaling: by a second launch (`combine_splits`) or, without one, by the last
+program of each pair to finish (`merge_if_last`, arrival counters from `split_counters`; the sparse
+kernel does this). Everything is in base 2 inside the kernels (`exp2` is one instruction); the
+log-sum-exp handed back to callers is natural log.
 """
 
 import functools
@@ -19,10 +21,13 @@ __all__ = [
     "NEG_BIG",
     "combine_splits",
     "dot_mode",
+    "merge_if_last",
+    "merge_split_rows",
     "num_sms",
     "online_softmax_update",
     "pick_num_splits",
     "runs_triton",
+    "split_counters",
     "store_split_result",
     "tile_dot",
 ]
@@ -118,6 +123,65 @@ def store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr,
         tl.store(o_part_ptr + part_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_part_ptr + split * rows + row, m_i, mask=row_ok)
         tl.store(ml_part_ptr + (num_splits + split) * rows + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits, batch, T,
+                     num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """combine_splits for one program's rows, inside the kernel (partials read past L1: other SMs wrote them)."""
+    rows = batch * T * num_heads
+    row = (b * T + t_row) * num_heads + head
+    m_max = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(ml_part_ptr + s * rows + row, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        l_s = tl.load(ml_part_ptr + (num_splits + s) * rows + row, mask=row_ok, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m_s - m_max)
+        denom += w * l_s
+        part = (s * rows + row).to(tl.int64) * HEAD_DIM
+        o_s = tl.load(o_part_ptr + part[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+        o += w[:, None] * o_s
+    denom = tl.where(row_ok, denom, 1.0)
+    out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], (o / denom[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453, mask=row_ok)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for fused split merging, one buffer per (device, stream), kept between launches
+    (each launch leaves them at zero). Grown outside CUDA-graph capture; a capture that needs more gets its own
+    zeroed buffer (a memset node in the graph) instead of caching memory from the graph's pool."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _COUNTERS[key] = fresh
+    return fresh
+
+
+@triton.jit
+def merge_if_last(counter_ptr, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits,
+                  batch, T, num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """After store_split_result: count this program in at its rows' arrival counter; the last of the num_splits
+    programs to arrive merges the partials (combine_splits inside the kernel) and resets the counter to 0."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replays too)
+        merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d, num_splits,
+                         batch, T, num_heads, stride_ob, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
 
 
 @triton.jit
