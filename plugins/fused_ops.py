@@ -76,22 +76,16 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
     return weight * y, summed
 
 
-def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D], cos/sin [B, T, D/2]: the half-split rotary embedding in fp32, cast back to x.dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 def rope_qkv_to_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
                           head_dim: int) -> torch.Tensor:
     """Rotate q and k of the fused projection, store k and v at `positions`; returns q [B, T, H_q, D]."""
+    from trtllm_dustin.models.rope import apply_rope  # here, not at the top: the decoder imports this module
+
     batch, t = qkv.shape[:2]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = _rotate_half_split(q.reshape(batch, t, num_heads, head_dim), cos, sin)
-    k = _rotate_half_split(k.reshape(batch, t, num_kv_heads, head_dim), cos, sin)
+    q = apply_rope(q.reshape(batch, t, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.reshape(batch, t, num_kv_heads, head_dim), cos, sin)
     batch_idx = torch.arange(batch, device=qkv.device)[:, None]  # [B, 1]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, H_kv, D].
     k_cache[batch_idx, :, positions] = k

@@ -24,7 +24,7 @@ from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
-from trtllm_dustin.plugins.fused_ops import add_rms_norm, rope_qkv_to_cache, silu_mul
+from trtllm_dustin.plugins.fused_ops import add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
@@ -36,10 +36,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference checkpoints were trained.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32 and cast back before the weight, as the reference checkpoints were trained; the one
+        # definition is the fused op's reference (the fused path must reproduce it).
+        return add_rms_norm_ref(x, None, self.weight, self.eps)[0]
 
 
 @dataclass
