@@ -17,7 +17,7 @@ the draft's cache is restored before each method), so methods differ only in the
     python benchmarks/eval_quality.py --save-tasks .carry/quality_tasks.json --contexts 4096 8192 --samples 60 \\
         --new-tokens 64                                                 # CPU, corpora installed; 53 s
     python benchmarks/eval_quality.py --tasks-file .carry/quality_tasks.json --draft smollm2-draft \\
-        --contexts 4096 8192 --samples 60 --batch-size 60 --jobs 2 \\
+        --contexts 4096 8192 --samples 60 --batch-size 60 --jobs 6 \\
         --out benchmarks/results/quality/quality_h200.json                                                 # GPU
 
 Writes JSON (every sample's metrics), a markdown table beside it (.md) and a plot of accuracy vs budget (.png).
@@ -440,14 +440,15 @@ def main() -> None:
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="combine the records of earlier runs (e.g. one per context) into --out; runs nothing")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="run the --contexts as this many concurrent processes (<out>_<context>.json each, then "
-                             "merged into --out): the 135M pair is launch-bound, so a GPU runs two almost for free")
+                        help="run the (context, task) cells as this many concurrent processes (<out>_<context>_<task>"
+                             ".json each, then merged into --out): the 135M pair is launch-bound, so one GPU runs "
+                             "several almost for free")
     args = parser.parse_args()
     if args.merge:
         merge_runs(args.merge, args.out)
         return
-    if args.jobs > 1 and len(args.contexts) > 1:
-        run_contexts_in_parallel(sys.argv[1:], args.contexts, args.out, args.jobs)
+    if args.jobs > 1 and len(args.contexts) * len(args.tasks) > 1:
+        run_units_in_parallel(sys.argv[1:], work_units(args.tasks, args.contexts), args.out, args.jobs)
         return
     if "classic" in args.methods:
         args.methods = ["classic"] + [m for m in args.methods if m != "classic"]
@@ -501,9 +502,20 @@ def main() -> None:
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
 
 
-def context_commands(argv: list[str], contexts: list[int], out: Path) -> list[tuple[list[str], Path]]:
-    """This run's command line once per context (--contexts, --out and --jobs replaced): (argv, its out file)."""
-    several = {"--contexts": True, "--out": False, "--jobs": False}  # the options replaced -> take several values?
+# The heaviest cells first, so the longest units do not start last: books decodes each method twice (free and
+# teacher-forced) over 64 tokens; the others generate 32. Relative seconds of the 8K H200 run (quality_h200.json).
+UNIT_COST = {"books": 228, "qa": 76, "needle": 70, "vt": 55, "code": 47}
+
+
+def work_units(tasks: list[str], contexts: list[int]) -> list[tuple[int, str]]:
+    """The (context, task) cells of a run, longest expected first (cost ~ task weight x context)."""
+    cells = [(c, t) for c in contexts for t in tasks]
+    return sorted(cells, key=lambda ct: -UNIT_COST.get(ct[1], 100) * ct[0])
+
+
+def unit_commands(argv: list[str], units: list[tuple[int, str]], out: Path) -> list[tuple[list[str], Path]]:
+    """This run's command line once per (context, task) unit (--contexts, --tasks, --out, --jobs replaced)."""
+    several = {"--contexts": True, "--tasks": True, "--out": False, "--jobs": False}  # option -> takes several values?
     rest, i = [], 0
     while i < len(argv):
         arg, i = argv[i], i + 1
@@ -517,25 +529,32 @@ def context_commands(argv: list[str], contexts: list[int], out: Path) -> list[tu
             else:
                 i += 1
     runs = []
-    for c in contexts:
-        part = out.with_name(f"{out.stem}_{c}.json")
-        runs.append(([sys.executable, str(Path(__file__).resolve()), *rest, "--contexts", str(c), "--out", str(part)],
-                     part))
+    for c, t in units:
+        part = out.with_name(f"{out.stem}_{c}_{t}.json")
+        runs.append(([sys.executable, str(Path(__file__).resolve()), *rest, "--contexts", str(c), "--tasks", t,
+                      "--out", str(part)], part))
     return runs
 
 
-def run_contexts_in_parallel(argv: list[str], contexts: list[int], out: Path, jobs: int) -> None:
-    """One process per context, `jobs` at a time, each logging to <part>.log; then --merge of their results."""
+def run_units_in_parallel(argv: list[str], units: list[tuple[int, str]], out: Path, jobs: int) -> None:
+    """One process per (context, task) unit, `jobs` at a time, each logging to <part>.log; then --merge of them all.
+
+    The 135M pair is launch-bound (the GPU idles between small kernels), so a few processes share one GPU almost
+    for free; each child gets an equal share of the CPU threads so they do not oversubscribe the cores.
+    """
+    import os
     import subprocess
 
-    pending, running, done = context_commands(argv, contexts, out), [], []
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    pending, running, done = unit_commands(argv, units, out), [], []
+    order = {part: n for n, (_, part) in enumerate(pending)}
     t0 = time.perf_counter()
     while pending or running:
         while pending and len(running) < jobs:
             cmd, part = pending.pop(0)
             log = open(part.with_suffix(".log"), "w")  # noqa: SIM115 (closed when the process ends)
             print(f"started: {' '.join(cmd)} (log {log.name})", flush=True)
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), part, log))
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), part, log))
         time.sleep(1)
         for proc, part, log in [r for r in running if r[0].poll() is not None]:
             running.remove((proc, part, log))
@@ -544,11 +563,13 @@ def run_contexts_in_parallel(argv: list[str], contexts: list[int], out: Path, jo
                 for other, _, _ in running:
                     other.terminate()
                 raise SystemExit(f"{part.name}: exit status {proc.returncode}; see {log.name} (finished batches are "
-                                 f"in {part.with_suffix('.partial.json').name})")
+                                 f"in {part.with_suffix('.partial.json').name}; finished units: "
+                                 f"{', '.join(p.name for p in done) or 'none'})")
             print(f"finished {part.name} after {time.perf_counter() - t0:.0f} s", flush=True)
             done.append(part)
-    merge_runs(sorted(done, key=lambda p: contexts.index(int(p.stem.rsplit("_", 1)[1]))), out)
-    print(f"{len(contexts)} contexts in {time.perf_counter() - t0:.0f} s with {jobs} processes")
+    by_cell = sorted(done, key=lambda p: (units[order[p]][0], list(TASKS).index(units[order[p]][1])))
+    merge_runs(by_cell, out)
+    print(f"{len(units)} units in {time.perf_counter() - t0:.0f} s with {jobs} processes")
 
 
 def merge_runs(paths: list[Path], out: Path) -> None:

@@ -182,39 +182,52 @@ def test_merge_of_runs_split_by_task_equals_the_summary_of_all_records(tmp_path)
         eval_quality.merge_runs([a, c], tmp_path / "bad.json")
 
 
-def test_context_commands_replace_contexts_out_and_jobs(tmp_path) -> None:
-    argv = ["--tasks-file", "t.json", "--contexts", "4096", "8192", "--jobs=2", "--samples", "60", "--out",
-            str(tmp_path / "q.json"), "--m-sweep", "0", "1"]
-    runs = eval_quality.context_commands(argv, [4096, 8192], tmp_path / "q.json")
-    assert [part.name for _, part in runs] == ["q_4096.json", "q_8192.json"]
-    for (cmd, part), c in zip(runs, (4096, 8192), strict=True):
+def test_work_units_are_every_cell_once_longest_first() -> None:
+    units = eval_quality.work_units(["needle", "books", "code"], [4096, 8192])
+    assert sorted(units) == sorted((c, t) for c in (4096, 8192) for t in ("needle", "books", "code"))
+    assert units[:2] == [(8192, "books"), (4096, "books")]
+    costs = [eval_quality.UNIT_COST[t] * c for c, t in units]
+    assert costs == sorted(costs, reverse=True)
+
+
+def test_unit_commands_replace_contexts_tasks_out_and_jobs(tmp_path) -> None:
+    argv = ["--tasks-file", "t.json", "--contexts", "4096", "8192", "--jobs=2", "--samples", "60", "--tasks", "vt",
+            "books", "--out", str(tmp_path / "q.json"), "--m-sweep", "0", "1"]
+    units = [(8192, "books"), (4096, "vt")]
+    runs = eval_quality.unit_commands(argv, units, tmp_path / "q.json")
+    assert [part.name for _, part in runs] == ["q_8192_books.json", "q_4096_vt.json"]
+    for (cmd, part), (c, t) in zip(runs, units, strict=True):
         assert cmd[2:] == ["--tasks-file", "t.json", "--samples", "60", "--m-sweep", "0", "1", "--contexts", str(c),
-                           "--out", str(part)]
+                           "--tasks", t, "--out", str(part)]
 
 
-def test_contexts_in_parallel_merge_and_a_failure_stops_the_run(tmp_path, monkeypatch) -> None:
+def test_units_in_parallel_merge_and_a_failure_stops_the_run(tmp_path, monkeypatch) -> None:
     """The orchestration with stand-in children that write a run file each (a real child is a GPU-minutes run)."""
     args = {"methods": ["classic"], "budgets": [128], "m_sweep": [], "gamma": 3}
-    record = {"task": "needle", "key": "classic", "method": "classic", "budget": None, "m_fraction": None, "m": None,
+    record = {"key": "classic", "method": "classic", "budget": None, "m_fraction": None, "m": None,
               "m_used_mean": None, "committed_hist": [1, 1, 0, 0], "samples": [0], "kinds": ["a"],
               "per_sample": [{"string_match": 1.0}], "seconds": 1.0}
 
-    def fake_commands(argv, contexts, out, fail=None):
+    def fake_commands(argv, units, out, fail=None):
         runs = []
-        for c in contexts:
-            part = out.with_name(f"{out.stem}_{c}.json")
-            run = {"command": "x", "args": args, "seconds": 2.0, "summary": {}, "records": [{**record, "context": c}]}
+        for c, t in units:
+            part = out.with_name(f"{out.stem}_{c}_{t}.json")
+            run = {"command": "x", "args": args, "seconds": 2.0, "summary": {},
+                   "records": [{**record, "task": t, "context": c}]}
             code = f"import json,sys; open({str(part)!r}, 'w').write({json.dumps(json.dumps(run))}); " + (
-                "sys.exit(3)" if c == fail else "")
+                "sys.exit(3)" if (c, t) == fail else "")
             runs.append(([sys.executable, "-c", code], part))
         return runs
 
-    monkeypatch.setattr(eval_quality, "context_commands", fake_commands)
+    units = eval_quality.work_units(["needle", "vt"], [4096, 8192])
+    monkeypatch.setattr(eval_quality, "unit_commands", fake_commands)
     out = tmp_path / "q.json"
-    eval_quality.run_contexts_in_parallel([], [4096, 8192], out, jobs=2)
+    eval_quality.run_units_in_parallel([], units, out, jobs=3)
     merged = json.loads(out.read_text())
-    assert sorted(merged["summary"]) == ["needle|4096|classic|None", "needle|8192|classic|None"]
+    assert sorted(merged["summary"]) == sorted(f"{t}|{c}|classic|None" for c in (4096, 8192) for t in ("needle", "vt"))
     assert merged["args"]["contexts"] == [4096, 8192]
-    monkeypatch.setattr(eval_quality, "context_commands", lambda a, c, o: fake_commands(a, c, o, fail=8192))
-    with pytest.raises(SystemExit, match="q2_8192.json: exit status 3"):
-        eval_quality.run_contexts_in_parallel([], [4096, 8192], tmp_path / "q2.json", jobs=2)
+    assert [m["file"] for m in merged["merged_from"]] == ["q_4096_needle.json", "q_4096_vt.json",
+                                                          "q_8192_needle.json", "q_8192_vt.json"]
+    monkeypatch.setattr(eval_quality, "unit_commands", lambda a, u, o: fake_commands(a, u, o, fail=(8192, "vt")))
+    with pytest.raises(SystemExit, match="q2_8192_vt.json: exit status 3"):
+        eval_quality.run_units_in_parallel([], units, tmp_path / "q2.json", jobs=2)
