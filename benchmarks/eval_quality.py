@@ -568,12 +568,16 @@ def run_units_in_parallel(argv: list[str], units: list[tuple[int, str]], out: Pa
             print(f"finished {part.name} after {time.perf_counter() - t0:.0f} s", flush=True)
             done.append(part)
     by_cell = sorted(done, key=lambda p: (units[order[p]][0], list(TASKS).index(units[order[p]][1])))
-    merge_runs(by_cell, out)
-    print(f"{len(units)} units in {time.perf_counter() - t0:.0f} s with {jobs} processes")
+    wall = time.perf_counter() - t0
+    merge_runs(by_cell, out, command="python benchmarks/eval_quality.py " + " ".join(argv), wall_seconds=wall)
+    print(f"{len(units)} units in {wall:.0f} s with {jobs} processes")
 
 
-def merge_runs(paths: list[Path], out: Path) -> None:
-    """One results file, table and plot from runs over disjoint (task, context) sets with the same methods."""
+def merge_runs(paths: list[Path], out: Path, command: str | None = None, wall_seconds: float | None = None) -> None:
+    """One results file, table and plot from runs over disjoint (task, context) sets with the same methods.
+
+    command / wall_seconds: the parallel run that made the parts (--jobs), recorded beside the merge itself.
+    """
     runs = [json.loads(p.read_text()) for p in paths]
     first = runs[0]
     for p, run in zip(paths[1:], runs[1:], strict=True):
@@ -593,13 +597,14 @@ def merge_runs(paths: list[Path], out: Path) -> None:
     present = sorted(seen, key=lambda tc: (tc[1], list(TASKS).index(tc[0])))
     summary = summarise_records(records)
     table = markdown(summary, args, present)
+    merge_command = f"python benchmarks/eval_quality.py --merge {' '.join(p.name for p in paths)} --out {out.name}"
     save_json(out, {**{k: first[k] for k in first if k not in ("summary", "records", "args", "seconds")},
-                    "command": "python benchmarks/eval_quality.py --merge " + " ".join(p.name for p in paths)
-                               + f" --out {out.name}",
+                    "command": command or merge_command,
+                    "wall_seconds": wall_seconds,
                     "merged_from": [{"file": p.name, "command": r.get("command"), "git_sha": r.get("git_sha"),
                                      "date": r.get("date"), "seconds": r.get("seconds")}
                                     for p, r in zip(paths, runs, strict=True)],
-                    "args": vars(args), "seconds": sum(r.get("seconds", 0) for r in runs),
+                    "args": vars(args), "seconds": sum(r.get("seconds", 0) for r in runs),  # summed over the parts
                     "summary": summary, "records": records})
     out.with_suffix(".md").write_text(table + "\n")
     print(table)

@@ -226,6 +226,7 @@ def test_units_in_parallel_merge_and_a_failure_stops_the_run(tmp_path, monkeypat
     merged = json.loads(out.read_text())
     assert sorted(merged["summary"]) == sorted(f"{t}|{c}|classic|None" for c in (4096, 8192) for t in ("needle", "vt"))
     assert merged["args"]["contexts"] == [4096, 8192]
+    assert merged["command"] == "python benchmarks/eval_quality.py " and 0 < merged["wall_seconds"] < 60
     assert [m["file"] for m in merged["merged_from"]] == ["q_4096_needle.json", "q_4096_vt.json",
                                                           "q_8192_needle.json", "q_8192_vt.json"]
     monkeypatch.setattr(eval_quality, "unit_commands", lambda a, u, o: fake_commands(a, u, o, fail=(8192, "vt")))
