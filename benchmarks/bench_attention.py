@@ -272,10 +272,11 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
     # Run 2 settled block_m=64 and index prefetch; run 3 (at 2a61390) also tried K/V register prefetch and
     # a separate new-token tile, neither kept (attention_h200.sweep3.json). This grid re-checks the rest.
     # Run 4 tried key splits merged inside the kernel (fused_combine): 2 splits 19-23 us against 17 us for one
-    # (attention_h200.sweep4.json). Run 5 tries deeper software pipelines (num_stages 4-5: more gathers in flight
-    # per SM while a tile is reduced) against the 3 stages of runs 2-4, one split and two.
-    configs = [dict(block_m=64, block_n=n, num_stages=stages, num_warps=4, num_splits=splits, fused_combine=True)
-               for n in (32, 64) for stages in (3, 4, 5) for splits in (1, 2)]
+    # (attention_h200.sweep4.json). Run 5 (385045e) tried deeper software pipelines: num_stages 4 / 5 were 0.6-2 us
+    # slower than 3. Run 6 folds the T new tokens in after the walk (new_separate: their K/V gathered before it),
+    # so k = 512 walks 8 tiles of 64 instead of 8 and a ninth holding only the new tokens.
+    configs = [dict(block_m=64, block_n=n, num_stages=3, num_warps=4, num_splits=splits, fused_combine=True,
+                    new_separate=sep) for n in (32, 64) for splits in (1, 2) for sep in (False, True)]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
@@ -287,8 +288,10 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
             timed(rows, "sparse", calls, kind="sparse", tokens=t, **kw)
         for k in (0, 128, 512, 2048):
             sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
-            calls = [partial(sparse_verify_attention, q, k_cache, v_cache, seqlens, ii, out=out) for ii in sets]
-            timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k)
+            for sep in (False, True):
+                calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, out, lse,
+                                 new_separate=sep) for ii in sets]
+                timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k, new_separate=sep)
         torch.cuda.empty_cache()
 
 
@@ -302,6 +305,26 @@ def sweep_full_splits(rows):
             call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim),
                            out, lse, num_splits=splits)
             timed(rows, "full", [call] * 2, kind="full_splits", model=name, batch=batch, tokens=t, num_splits=splits)
+        torch.cuda.empty_cache()
+
+
+def sweep_draft_decode(rows, batch=16, length=32768):
+    """The full kernel on the draft's heads (Llama-3.2-1B: 32 / 8, D = 64), T = 1 (a draft step) and 2: the key tile
+    (block_n) and warps, against the default (block_n 128 at D = 64: a 16 KB K tile, half the D = 128 tile's bytes)."""
+    shape = PAIRS[1].draft
+    for t in (1, 2):
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        elem = k_cache.element_size()
+        nbytes = 2 * batch * shape.heads_kv * (length + t) * shape.head_dim * elem
+        for n, w, st in ((None, None, 3), (128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (256, 4, 2),
+                         (64, 4, 3)):
+            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim),
+                           out, lse, block_n=n, num_warps=w, num_stages=st)
+            timed(rows, "draft", [call] * 4, kind="draft_decode", model=shape.name, batch=batch, tokens=t,
+                  block_n=n, num_warps=w, num_stages=st)
+            if "ms" in rows[-1]:
+                rows[-1]["frac_of_copy_ceiling"] = tbs(nbytes, rows[-1]["ms"]) / COPY_CEILING_TBS
         torch.cuda.empty_cache()
 
 
@@ -325,7 +348,7 @@ def sweep_srh(rows, batch=16, length=32768):
         torch.cuda.empty_cache()
 
 
-SWEEP_PARTS = ("sparse", "full", "srh")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -337,6 +360,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_full_splits(rows)
     if "srh" in parts:
         sweep_srh(rows)
+    if "draft" in parts:
+        sweep_draft_decode(rows)
     return rows
 
 

@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (or vanilla steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
-    parser.add_argument("--fused-elementwise", choices=["off", "on"], default="off",
+    parser.add_argument("--fused-elementwise", choices=["off", "on"], default="on",
                         help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
     args = parser.parse_args()
     args.methods = args.methods.split(",")

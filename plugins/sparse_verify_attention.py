@@ -59,6 +59,7 @@ def _sparse_verify_attention_kernel(
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
+    NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -77,13 +78,24 @@ def _sparse_verify_attention_kernel(
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     seqlen = tl.load(seqlens_ptr + b)
-    n_items = num_indices + T
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if NEW_SEPARATE:
+        # The T new tokens are not items of the walk: the last split gathers their K/V here, before the loop, so
+        # those loads overlap the walk, and folds them in after it; the walk covers the K index slots only, so
+        # k = 512 is 8 tiles of 64 rather than 8 full tiles and a ninth holding the T new tokens.
+        n_items = num_indices
+        offs_j = tl.arange(0, BLOCK_T)
+        new_ok = offs_j < tl.where(split == num_splits - 1, T, 0)
+        pos_new = seqlen + offs_j
+        k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+    else:
+        n_items = num_indices + T
     chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, n_items)
 
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     idx_base = indices_ptr + b.to(tl.int64) * stride_ib
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -109,6 +121,10 @@ def _sparse_verify_attention_kernel(
         visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+    if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
+        scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
+        scores = tl.where(new_ok[None, :] & (offs_j[None, :] <= t_row[:, None]), scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
@@ -120,7 +136,7 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True):
+                                    prefetch_indices=True, fused_combine=True, new_separate=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -164,7 +180,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
-        FUSED_COMBINE=fused, counters_ptr=counters, num_warps=num_warps, num_stages=num_stages,
+        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), num_warps=num_warps, num_stages=num_stages,
     )
     if not direct and not fused:
         combine_splits(o_part, ml_part, out, lse)

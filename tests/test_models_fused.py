@@ -81,7 +81,22 @@ def test_fused_greedy_generation_equals_the_module_code() -> None:
     assert runs[1].committed_hist == runs[0].committed_hist
 
 
-def test_fused_is_off_unless_asked(monkeypatch) -> None:
-    assert load_model("preset:tiny-llama", device="cpu", seed=0).model.fused_elementwise is False
-    monkeypatch.setenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", "1")
-    assert load_model("preset:tiny-llama", device="cpu", seed=0).model.fused_elementwise is True
+def test_fused_default_is_on_for_cuda_inputs_and_follows_the_environment(monkeypatch) -> None:
+    """Unset: None (fused for CUDA inputs, the module code for CPU ones); "1" forces it on, "0" off."""
+    monkeypatch.delenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", raising=False)
+    model = load_model("preset:tiny-llama", device="cpu", seed=0).model
+    assert model.fused_elementwise is None
+
+    def no_fused(*args, **kwargs):
+        raise AssertionError("the fused path ran for CPU inputs with fused_elementwise=None")
+
+    monkeypatch.setattr(model, "_forward_fused", no_fused)
+    tokens, lens = torch.tensor([[5, 6]]), torch.tensor([3], dtype=torch.int32)
+    cache = KVCache.allocate(model.config, 1, 16, torch.float32, "cpu")
+    cache.seqlens.copy_(lens)
+    with torch.inference_mode():
+        logits = model(tokens, cache, AttentionMetadata(cache_seqlens=cache.seqlens), get_backend("reference"))
+    assert logits.shape == (1, 2, model.config.vocab_size) and torch.isfinite(logits).all()
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", value)
+        assert load_model("preset:tiny-llama", device="cpu", seed=0).model.fused_elementwise is expected

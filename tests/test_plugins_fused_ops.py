@@ -31,8 +31,10 @@ MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MIN_NORMAL_EXPONENT = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
 # How far from torch's own result an op may land: (most ulps for any element, share that must match bit for
 # bit). In 16-bit dtypes the last fp32 bits of a reduction order, rsqrt or exp flip a rounding now and then
-# (see fused_ops' docstring); in fp32 those last bits are the output itself, so a few ulps and no bit-exact share.
-TORCH_MATCH = {torch.bfloat16: (1, 0.99), torch.float16: (1, 0.99), torch.float32: (8, 0.0)}
+# (see fused_ops' docstring); in fp32 those last bits are the output itself, so some ulps and no bit-exact share:
+# on the GPU both sides use approximate exp and division (about 2 ulp each), which compound through
+# x * sigmoid(x) * up; the H200 showed 9 ulp at inter = 14336 (the float64 check below still bounds the error).
+TORCH_MATCH = {torch.bfloat16: (1, 0.99), torch.float16: (1, 0.99), torch.float32: (16, 0.0)}
 # |out - ref| / |ref| against float64: half an ulp per rounding the torch code does, two roundings at most.
 F64_RTOL = {torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
 
@@ -150,7 +152,7 @@ def make_positions(batch, t, s_max, layout):
     """Ragged decode positions L_b + t (L_b = 0, mid, end of cache) or scattered distinct positions."""
     if layout == "scattered":
         return torch.stack([torch.randperm(s_max, device=DEVICE)[:t] for _ in range(batch)])
-    starts = torch.tensor([0, s_max // 2 + 1, s_max - t][:batch], device=DEVICE)
+    starts = torch.tensor([(0, s_max // 2 + 1, s_max - t)[b % 3] for b in range(batch)], device=DEVICE)
     return starts[:, None] + torch.arange(t, device=DEVICE)
 
 

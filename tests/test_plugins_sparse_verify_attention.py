@@ -136,12 +136,15 @@ def test_all_indices_equal_full_attention(length, t, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_splits, block_m, prefetch_indices, fused_combine",
-                         [(1, 16, False, True), (2, 32, True, True), (2, 32, True, False), (7, 64, False, True),
-                          (7, 16, False, False), (3, 16, True, True)])
-def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine):
-    """Key splits (merged in-kernel or by a second launch), query-row blocks and index prefetching change the
-    schedule, not the result; the in-kernel merge leaves its arrival counters at zero for the next launch."""
+@pytest.mark.parametrize("num_splits, block_m, prefetch_indices, fused_combine, new_separate",
+                         [(1, 16, False, True, False), (2, 32, True, True, False), (2, 32, True, False, False),
+                          (7, 64, False, True, False), (7, 16, False, False, False), (3, 16, True, True, False),
+                          (1, 64, True, True, True), (2, 32, True, True, True), (3, 16, False, False, True),
+                          (7, 64, True, True, True)])
+def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine, new_separate):
+    """Key splits (merged in-kernel or by a second launch), query-row blocks, index prefetching and folding the new
+    tokens in after the walk change the schedule, not the result; the in-kernel merge leaves its arrival counters
+    at zero for the next launch."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward, split_counters
 
     torch.manual_seed(num_splits)
@@ -156,7 +159,7 @@ def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combi
         lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
         sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse,
                                         num_splits=num_splits, block_m=block_m, prefetch_indices=prefetch_indices,
-                                        fused_combine=fused_combine)
+                                        fused_combine=fused_combine, new_separate=new_separate)
         assert_close(out, expected, torch.float32)
         torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)  # the merged log-sum-exp, same as one pass
     if fused_combine and num_splits > 1:
@@ -206,3 +209,23 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.trtllm_dustin.sparse_verify_attention.default,
                           (q, k, v, seqlens, indices, 0.25, torch.empty_like(q)),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k, t, num_splits", [(0, 1, 1), (0, 5, 1), (1, 3, 1), (64, 5, 1), (65, 2, 2), (130, 4, 3)])
+def test_new_tokens_folded_in_after_the_walk(k, t, num_splits):
+    """new_separate: the K/V of the T new tokens are gathered before the index walk and folded in after it (by the
+    last split); empty lists (k = 0: only the new tokens), lists of one tile plus one and several splits agree with
+    the reference, and no padding or unselected row is read (the caches hold NaN there)."""
+    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+
+    torch.manual_seed(k * 11 + t)
+    q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(300, t, 2, 3, 64, torch.float32, k,
+                                                                           "scattered")
+    expected = reference(q, k_clean, v_clean, seqlens, indices, 0.125)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits,
+                                    new_separate=True)
+    assert_close(out, expected, torch.float32)
+    assert torch.isfinite(lse).all()

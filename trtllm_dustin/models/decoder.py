@@ -4,8 +4,9 @@ q/k/v are one fused projection and gate/up another, so a decode step reads each 
 matmul. Every forward writes its tokens' K/V into the static cache at positions L_b + t and lets the
 attention backend read the cache; `cache.seqlens` is advanced by the decode loop, not here.
 
-`Transformer.fused_elementwise` (default: the TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, off unless
-"1") runs the elementwise work between the matmuls as three fused kernels (plugins/fused_ops.py): residual add +
+`Transformer.fused_elementwise` (True / False, or None: on for CUDA inputs; the default comes from the
+TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, "1" on, "0" off, unset None) runs the elementwise work between
+the matmuls as three fused kernels (plugins/fused_ops.py): residual add +
 RMSNorm, rotary embedding of q/k + the K/V cache write, and SiLU x up. Same arithmetic as the module code (up to a
 rare last-ulp flip); about 10 kernels per layer instead of about 50, which is what a CUDA-graph replay of a small
 batch pays for. Inference only (`forward_train` keeps the module code).
@@ -128,7 +129,7 @@ class Transformer(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        self.fused_elementwise = os.environ.get("TRTLLM_DUSTIN_FUSED_ELEMENTWISE") == "1"
+        self.fused_elementwise = {"1": True, "0": False}.get(os.environ.get("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", ""))
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """(Re)build the cos/sin tables on the model's device for positions < max_positions."""
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
         positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         h = self.embed(tokens)  # [B, T, hidden]
-        if self.fused_elementwise:
+        if self.fused_elementwise or (self.fused_elementwise is None and h.is_cuda):  # H200: 1.36x per round
             return self._forward_fused(h, cos, sin, positions, cache, meta, backend, logit_index, capture)
         for i, block in enumerate(self.layers):
             h = h + block.attention(block.attention_norm(h), cos, sin, positions, i, cache, meta, backend, capture)
