@@ -274,9 +274,13 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
     # Run 4 tried key splits merged inside the kernel (fused_combine): 2 splits 19-23 us against 17 us for one
     # (attention_h200.sweep4.json). Run 5 (385045e) tried deeper software pipelines: num_stages 4 / 5 were 0.6-2 us
     # slower than 3. Run 6 folds the T new tokens in after the walk (new_separate: their K/V gathered before it),
-    # so k = 512 walks 8 tiles of 64 instead of 8 and a ninth holding only the new tokens.
-    configs = [dict(block_m=64, block_n=n, num_stages=3, num_warps=4, num_splits=splits, fused_combine=True,
-                    new_separate=sep) for n in (32, 64) for splits in (1, 2) for sep in (False, True)]
+    # so k = 512 walks 8 tiles of 64 instead of 8 and a ninth holding only the new tokens: 16.4 vs 17.2 us at T=4,
+    # 18.5 vs 16.8 at T=5 (e3ecf4a), not kept. Run 7 lets the software pipeliner schedule the index load -> gather
+    # chain itself over 4-6 stages (no hand prefetch of the next indices), which runs 2-3 never tried past 3 stages.
+    configs = [dict(block_m=64, block_n=64, num_stages=3, num_warps=4, num_splits=1, prefetch_indices=True,
+                    new_separate=sep) for sep in (False, True)]
+    configs += [dict(block_m=64, block_n=n, num_stages=st, num_warps=4, num_splits=1, prefetch_indices=False)
+                for n, st in ((64, 3), (64, 4), (64, 5), (64, 6), (32, 4), (32, 6))]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
@@ -288,10 +292,8 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
             timed(rows, "sparse", calls, kind="sparse", tokens=t, **kw)
         for k in (0, 128, 512, 2048):
             sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
-            for sep in (False, True):
-                calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, out, lse,
-                                 new_separate=sep) for ii in sets]
-                timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k, new_separate=sep)
+            calls = [partial(sparse_verify_attention, q, k_cache, v_cache, seqlens, ii, out=out) for ii in sets]
+            timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k)
         torch.cuda.empty_cache()
 
 

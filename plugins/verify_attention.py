@@ -108,10 +108,10 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
         bound = s_max if max_seqlen is None else min(max_seqlen, s_max)
         num_splits = pick_num_splits(batch * heads_kv, bound, MIN_KEYS_PER_SPLIT, q.device)
     block_m = max(16, triton.next_power_of_2(t * group))
-    if block_n is None:  # a 32 KB K tile (bf16, D=128: 128 keys): 3 stages of K + V fit in shared memory
-        block_n = min(128, 32768 // (head_dim * q.element_size()) // (2 if block_m >= 128 else 1))
-    if num_warps is None:  # 4 warps beat 8 by 1.3-1.7x even for a [64, 128] tile (H200 sweep)
-        num_warps = 8 if block_m >= 128 else 4
+    if block_n is None:  # a 32 KB K tile (bf16: 128 keys at D=128, 256 at D=64): 3 stages of K + V fit in smem
+        block_n = min(256, 32768 // (head_dim * q.element_size()) // (2 if block_m >= 128 else 1))
+    if num_warps is None:  # 4 warps beat 8 by 1.3-1.7x even for a [64, 128] tile (H200 sweep); 256-key tiles
+        num_warps = 8 if block_m >= 128 or block_n >= 256 else 4  # take 8 (D=64 draft steps: 247 vs 252 us)
     direct = num_splits == 1
     if direct:
         o_part = ml_part = out  # unused
