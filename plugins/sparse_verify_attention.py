@@ -44,7 +44,10 @@ MIN_KEYS_PER_SPLIT = 1024
 # splits inside the kernel (fused_combine: no second launch): 2 splits 19.0-20.5 us at T=5 and
 # 20.1-23.2 us at T=4 against 17.0 / 17.5 us for one split, so the extra programs do not pay for their
 # partials even without the combine launch (attention_h200.sweep4.json); the heuristic's one split at
-# k = 512 stands, and longer index lists that do split (k >= 1024) now merge in-kernel.
+# k = 512 stands, and longer index lists that do split (k >= 1024) now merge in-kernel. Runs 5-7 (385045e-ba9ea58):
+# num_stages 4-6, with or without the index prefetch, were 1-7 us slower than 3 stages with it; folding the new tokens
+# in after the walk (new_separate) helps 1 us when the tile has at most 32 rows and costs 1.5 us with 64 (the held K/V
+# of the new tokens), so it is on for block_m <= 32 only.
 
 
 @triton.jit
@@ -136,8 +139,11 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=False):
+                                    prefetch_indices=True, fused_combine=True, new_separate=None):
     """Launch the sparse verify attention kernel (inputs already validated).
+
+    new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
+    block_m <= 32); otherwise they are the last T items of the walk.
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -162,6 +168,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
     block_m = min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
     row_blocks = triton.cdiv(t * group, block_m)
+    if new_separate is None:  # H200 (B=16, 32K, 72B heads, k=512): T=4 (block_m 32) 16.4 / 16.5 us against 17.2 /
+        new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
     direct = num_splits == 1
     fused = fused_combine and not direct
     counters = split_counters(q.device, batch * heads_kv * row_blocks) if fused else cache_seqlens  # else unused
