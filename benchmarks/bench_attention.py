@@ -277,10 +277,11 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
     # so k = 512 walks 8 tiles of 64 instead of 8 and a ninth holding only the new tokens: 16.4 vs 17.2 us at T=4,
     # 18.5 vs 16.8 at T=5 (e3ecf4a), not kept. Run 7 lets the software pipeliner schedule the index load -> gather
     # chain itself over 4-6 stages (no hand prefetch of the next indices), which runs 2-3 never tried past 3 stages.
-    configs = [dict(block_m=64, block_n=64, num_stages=3, num_warps=4, num_splits=1, prefetch_indices=True,
-                    new_separate=sep) for sep in (False, True)]
-    configs += [dict(block_m=64, block_n=n, num_stages=st, num_warps=4, num_splits=1, prefetch_indices=False)
-                for n, st in ((64, 3), (64, 4), (64, 5), (64, 6), (32, 4), (32, 6))]
+    # Those were 1-7 us slower (attention_h200.sweep7.json); new_separate is kept for tiles of <= 32 rows (6485c25).
+    # Run 8: at T = 5 (40 rows) two row blocks of 32 (or three of 16), each folding the new tokens in after the walk,
+    # against one 64-row block without it (the default); the blocks of a pair gather the same rows (L2 repeats).
+    configs = [dict(block_m=bm, block_n=64, num_stages=3, num_warps=4, num_splits=1, prefetch_indices=True,
+                    new_separate=sep) for bm in (64, 32, 16) for sep in (False, True)]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
