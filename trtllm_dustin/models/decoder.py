@@ -6,10 +6,10 @@ attention backend read the cache; `cache.seqlens` is advanced by the decode loop
 
 `Transformer.fused_elementwise` (True / False, or None: on for CUDA inputs; the default comes from the
 TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, "1" on, "0" off, unset None) runs the elementwise work between
-the matmuls as three fused kernels (plugins/fused_ops.py): residual add +
-RMSNorm, rotary embedding of q/k + the K/V cache write, and SiLU x up. Same arithmetic as the module code (up to a
-rare last-ulp flip); about 10 kernels per layer instead of about 50, which is what a CUDA-graph replay of a small
-batch pays for. Inference only (`forward_train` keeps the module code).
+the matmuls as three fused kernels (plugins/fused_ops.py): residual add + RMSNorm, rotary embedding of q/k + the K/V
+cache write, and SiLU x up. Same arithmetic as the module code (up to a rare last-ulp flip); about 10 kernels per
+layer instead of about 50, which is what a CUDA-graph replay of a small batch pays for. Inference only
+(`forward_train` keeps the module code).
 """
 
 from __future__ import annotations
