@@ -48,8 +48,9 @@ MIN_KEYS_PER_SPLIT = 1024
 # num_stages 4-6, with or without the index prefetch, were 1-7 us slower than 3 stages with it. Folding the new tokens
 # in after the walk (new_separate) saved 0.8-1.6 us at T=4 (32 query rows) in five comparisons over three runs
 # and cost 1.4-1.8 us at T=5 (40 rows in a 64-row tile) in four; why T=5 loses is not established, so it is on
-# for tiles of <= 32 rows (block_m <= 32) only. Run 8 (95c9d74): T=5's 40 rows as two 32-row or three 16-row blocks, with or without
-# new_separate, took 20.6-29.1 us against 16.6 for one 64-row block (attention_h200.sweep8.json).
+# for tiles of <= 32 rows (block_m <= 32) only. Run 8 (95c9d74): T=5's 40 rows as two 32-row or three 16-row
+# blocks, with or without new_separate, took 20.6-29.1 us against 16.6 for one 64-row block
+# (attention_h200.sweep8.json).
 
 
 @triton.jit
