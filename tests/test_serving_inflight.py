@@ -206,3 +206,26 @@ def test_cli_writes_a_repository(tmp_path: Path, capsys) -> None:
     assert main(["triton-repo", "--out", str(tmp_path / "r2"), "--method", "dustin-h", "--draft", "preset:x"]) == 2
     write_model_repository(tmp_path / "repo", SERVED, "second")
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["dustin", "second"]
+
+
+def test_prompt_ids_must_embed_in_the_draft_too(tmp_path) -> None:
+    """A draft with a smaller vocabulary than its target (as Qwen2.5-0.5B's 151936 against 7B's 152064): prompt ids
+    past the draft's table are refused with a clear error, not left to fail inside the draft's embedding."""
+    from trtllm_dustin.models.loading import _empty_model, _random_init, save_hf_checkpoint
+    from trtllm_dustin.models.presets import get_preset
+
+    small = _empty_model(get_preset("tiny-llama-draft").with_(vocab_size=200, name="small-vocab"), torch.device("cpu"),
+                         torch.float32, None)
+    _random_init(small, seed=3)
+    save_hf_checkpoint(small, tmp_path / "draft")
+    eng = ServingEngine.from_config(SERVED.with_(draft=str(tmp_path / "draft"), methods=("classic",)))
+    try:
+        assert eng.vocab_size == 200
+        with pytest.raises(RequestError, match=r"input_ids holds 230, outside this model's vocabulary \[0, 200\)"):
+            eng.submit(GenerationRequest("", 4, input_ids=(5, 230)), lambda chunk: None)
+        done = threading.Event()
+        chunks = []
+        eng.submit(GenerationRequest("", 4, input_ids=(5, 199)), lambda c: (chunks.append(c), c.final and done.set()))
+        assert done.wait(60) and chunks[-1].final and chunks[-1].error is None
+    finally:
+        eng.close()

@@ -135,8 +135,12 @@ class ServingEngine:
                 draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=config.dustin,
                 use_cuda_graph=config.use_cuda_graph))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
-        codec = codec_for(loaded.tokenizer, loaded.model.config.vocab_size, config.chat_template)
-        engine = cls(config, batchers, codec, loaded.model.config.vocab_size)
+        # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
+        # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.
+        vocab = loaded.model.config.vocab_size if draft is None else min(loaded.model.config.vocab_size,
+                                                                         draft.config.vocab_size)
+        codec = codec_for(loaded.tokenizer, vocab, config.chat_template)
+        engine = cls(config, batchers, codec, vocab)
         if device.type == "cuda":
             engine.warm_up()
         return engine
