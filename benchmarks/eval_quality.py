@@ -599,7 +599,7 @@ def merge_runs(paths: list[Path], out: Path, command: str | None = None, wall_se
     table = markdown(summary, args, present)
     merge_command = f"python benchmarks/eval_quality.py --merge {' '.join(p.name for p in paths)} --out {out.name}"
     save_json(out, {**{k: first[k] for k in first if k not in ("summary", "records", "args", "seconds")},
-                    "command": command or merge_command,
+                    "command": command or merge_command, "merge_command": merge_command,
                     "wall_seconds": wall_seconds,
                     "merged_from": [{"file": p.name, "command": r.get("command"), "git_sha": r.get("git_sha"),
                                      "date": r.get("date"), "seconds": r.get("seconds")}
