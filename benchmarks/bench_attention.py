@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 
 from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
+from trtllm_dustin.plugins.pdl import pdl_enabled
 from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
 from trtllm_dustin.plugins.srh_score import srh_score_forward
 from trtllm_dustin.plugins.verify_attention import verify_attention_forward
@@ -351,7 +352,36 @@ def sweep_srh(rows, batch=16, length=32768):
         torch.cuda.empty_cache()
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft")
+def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
+    """Programmatic dependent launch on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the
+    table times it (8 (q, indices) sets x 4 passes per graph), every config twice, interleaved: pdl off / on for the
+    full and the sparse kernel, the sparse kernel with its first index block read before the wait (sweep only), and
+    at T=5 the new tokens folded in after the walk with their K/V gathered before it (new_separate) or after it."""
+    shape = TARGETS["Qwen2.5-72B"]
+    scale = 1 / math.sqrt(shape.head_dim)
+    for t in (4, 5):
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        lse = torch.empty(q.shape[:3], device="cuda")
+        qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
+        outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
+        index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
+        configs = [dict(pdl=False), dict(pdl=True), dict(pdl=True, gdc_after_indices=True)]
+        if t == 5:
+            configs += [dict(pdl=True, new_separate=True), dict(pdl=True, new_separate="late"),
+                        dict(pdl=False, new_separate="late")]
+        for _ in range(rounds):
+            for pdl in (False, True):
+                call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, pdl=pdl)
+                timed(rows, "pdl-full", [call] * 4, kind="pdl_full", tokens=t, pdl=pdl)
+            for kw in configs:
+                calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
+                                 **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
+                timed(rows, "pdl-sparse", calls * SPARSE_PASSES, kind="pdl_sparse", tokens=t, **kw)
+        del q, k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -365,6 +395,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_srh(rows)
     if "draft" in parts:
         sweep_draft_decode(rows)
+    if "pdl" in parts:
+        sweep_pdl(generator, rows)
     return rows
 
 
@@ -450,6 +482,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "copy_ceiling_tbs": COPY_CEILING_TBS,
+        "pdl": pdl_enabled(torch.device("cuda")),
         "timing": "our ops: CUDA-graph replay, median over replays of (graph time / calls in graph); "
                   "sparse cycles 8 (q, indices) sets 4 times per graph; SDPA: eager, CUDA events, median",
         "pairs": [asdict(p) for p in PAIRS],

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
 from .split_kv import runs_triton
 
 __all__ = [
@@ -49,6 +50,12 @@ def _soft_bf16() -> bool:
     """Round fp32 -> bf16 in integer arithmetic? Triton 3.9's interpreter truncates that cast (GPUs round to
     nearest even, as torch does), so under the interpreter the kernels round by hand to stay bit-exact."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pdl_args(t: torch.Tensor) -> dict:
+    """USE_GDC and launch_pdl for a launch on t's device (plugins.pdl: the kernels wait before reading)."""
+    use_gdc = pdl_enabled(t.device)
+    return {"USE_GDC": use_gdc, **launch_kwargs(use_gdc)}
 
 
 @triton.jit
@@ -130,8 +137,10 @@ def _add_rms_norm_kernel(
     x_ptr, delta_ptr, weight_ptr, normed_ptr, summed_ptr,
     stride_x, stride_delta, stride_normed, stride_summed,
     n_cols, inv_n_cols, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_wait_if(USE_GDC)  # PDL: wait for the previous kernel, then let the next launch be scheduled
+    gdc_launch_if(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -172,6 +181,7 @@ def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: to
         x.stride(0), delta.stride(0) if has_delta else 0, normed.stride(0), summed.stride(0) if has_delta else 0,
         cols, 1.0 / cols, eps,
         HAS_DELTA=has_delta, BLOCK=block, SOFT_BF16=_soft_bf16(), num_warps=num_warps, enable_fp_fusion=False,
+        **_pdl_args(x),
     )
 
 
@@ -236,9 +246,11 @@ def _rope_qkv_to_cache_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    SOFT_BF16: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """Program (token, head block): heads index the H_q + 2 H_kv heads of the qkv row (q, then k, then v)."""
+    gdc_wait_if(USE_GDC)
+    gdc_launch_if(USE_GDC)
     token = tl.program_id(0)
     b = (token // T).to(tl.int64)
     t = (token % T).to(tl.int64)
@@ -306,7 +318,7 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         v_cache.stride(2),
         t,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, BLOCK_H=block_h,
-        SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False,
+        SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **_pdl_args(qkv),
     )
 
 
@@ -387,7 +399,9 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
 
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr,
-                     SOFT_BF16: tl.constexpr):
+                     SOFT_BF16: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_wait_if(USE_GDC)
+    gdc_launch_if(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < inter
@@ -413,7 +427,7 @@ def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor) -> None:
         return
     _silu_mul_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
-        BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False,
+        BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **_pdl_args(gate_up),
     )
 
 

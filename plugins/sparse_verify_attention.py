@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
+from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
 from .reference import sparse_verify_attention_ref
 from .split_kv import (
     LOG2E,
@@ -65,7 +66,8 @@ def _sparse_verify_attention_kernel(
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
-    NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16,
+    NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
+    GDC_AFTER_INDICES: tl.constexpr = False, NEW_LATE: tl.constexpr = False,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -81,34 +83,46 @@ def _sparse_verify_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-    seqlen = tl.load(seqlens_ptr + b)
+    idx_base = indices_ptr + b.to(tl.int64) * stride_ib
+    if GDC_AFTER_INDICES:  # sweep only: the first index block is read before the wait (the caller vouches that the
+        # previous kernel did not write the indices or seqlens)
+        idx_early = tl.load(idx_base + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < num_indices, other=-1)
+        seqlen = tl.load(seqlens_ptr + b)
+        gdc_wait_if(USE_GDC)
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        seqlen = tl.load(seqlens_ptr + b)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     if NEW_SEPARATE:
         # The T new tokens are not items of the walk: the last split gathers their K/V here, before the loop, so
         # those loads overlap the walk, and folds them in after it; the walk covers the K index slots only, so
         # k = 512 is 8 tiles of 64 rather than 8 full tiles and a ninth holding the T new tokens.
+        # NEW_LATE (sweep): the loads come after the walk instead, so nothing extra is live in registers during it.
         n_items = num_indices
         offs_j = tl.arange(0, BLOCK_T)
         new_ok = offs_j < tl.where(split == num_splits - 1, T, 0)
         pos_new = seqlen + offs_j
-        k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
-        v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        if not NEW_LATE:
+            k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+            v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
     else:
         n_items = num_indices + T
     chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, n_items)
 
-    idx_base = indices_ptr + b.to(tl.int64) * stride_ib
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
         offs_first = start + tl.arange(0, BLOCK_N)
-        idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
+        if GDC_AFTER_INDICES:
+            idx_next = idx_early  # one split: start == 0
+        else:
+            idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         from_list = offs_n < num_indices
@@ -128,9 +142,13 @@ def _sparse_verify_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
+        if NEW_LATE:
+            k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+            v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
         scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
         scores = tl.where(new_ok[None, :] & (offs_j[None, :] <= t_row[:, None]), scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
+    gdc_launch_if(USE_GDC)  # only the stores are left: the next PDL launch may be scheduled
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
@@ -142,11 +160,15 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=None):
+                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
+                                    gdc_after_indices=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
-    block_m <= 32); otherwise they are the last T items of the walk.
+    block_m <= 32; "late": gather them after the walk); otherwise they are the last T items of the walk.
+    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
+    previous kernel has completed. gdc_after_indices (sweeps only, one split): read the first index block and
+    the seqlens before that wait, which is only correct when the previous kernel wrote neither.
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -175,6 +197,10 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
     direct = num_splits == 1
     fused = fused_combine and not direct
+    use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
+    if gdc_after_indices and (num_splits != 1 or not prefetch_indices or not use_gdc):
+        raise ValueError("sparse_verify_attention_forward: gdc_after_indices needs one split, prefetch_indices "
+                         "and pdl")
     counters = split_counters(q.device, batch * heads_kv * row_blocks) if fused else cache_seqlens  # else unused
     if direct:
         o_part = ml_part = out  # unused
@@ -191,8 +217,9 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
-        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), num_warps=num_warps, num_stages=num_stages,
+        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=bool(new_separate), NEW_LATE=new_separate == "late",
+        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc, GDC_AFTER_INDICES=gdc_after_indices,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
     )
     if not direct and not fused:
         combine_splits(o_part, ml_part, out, lse)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_wait_if, launch_kwargs
+
 __all__ = [
     "LOG2E",
     "NEG_BIG",
@@ -190,8 +192,10 @@ def _combine_splits_kernel(
     stride_ob, stride_ot, stride_oh,
     rows, num_splits,
     T: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """One program per output row (b, t, h): merge its num_splits partials."""
+    gdc_wait_if(USE_GDC)  # the partials come from the previous kernel
     row = tl.program_id(0)
     h = row % NUM_HEADS
     t = (row // NUM_HEADS) % T
@@ -212,7 +216,8 @@ def _combine_splits_kernel(
     tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453)
 
 
-def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                   pdl: bool = False) -> None:
     """Merge split-KV partials into `out` and `lse`.
 
     Launch contract:
@@ -221,6 +226,7 @@ def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tenso
       out:     [B, T, H, D] any float dtype, last dim contiguous (written)
       lse:     fp32 [B, T, H] contiguous, natural-log softmax denominator (written)
       grid:    (B * T * H,), one program per output row
+      pdl:     launch with programmatic dependent launch (the kernel waits for its predecessor first)
     """
     num_splits, batch, t, heads, head_dim = o_part.shape
     rows = batch * t * heads
@@ -229,5 +235,5 @@ def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2),
         rows, num_splits,
         T=t, NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4,
+        USE_GDC=pdl, num_warps=4, **launch_kwargs(pdl),
     )

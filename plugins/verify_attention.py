@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
+from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
 from .reference import verify_attention_ref
 from .split_kv import (
     LOG2E,
@@ -44,6 +45,7 @@ def _verify_attention_kernel(
     batch, num_kv_heads, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     pair = tl.program_id(1)
@@ -58,6 +60,7 @@ def _verify_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
+    gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     seqlen = tl.load(seqlens_ptr + b)
@@ -81,13 +84,15 @@ def _verify_attention_kernel(
         visible = col_ok[None, :] & (offs_n[None, :] <= limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+    gdc_launch_if(USE_GDC)
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
 
 
 def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse, *,
-                             max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3):
+                             max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3,
+                             pdl=None):
     """Launch the full-cache verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -100,6 +105,7 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
                      and keys [split * chunk, (split + 1) * chunk) of [0, L_b + T), chunk from L_b
                      in-kernel; num_splits > 1 adds the combine_splits launch.
       max_seqlen:    static bound on L_b + T used to pick num_splits (default S_max)
+      pdl:           programmatic dependent launch (None: plugins.pdl.pdl_enabled)
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
@@ -113,6 +119,7 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
     if num_warps is None:  # 4 warps beat 8 by 1.3-1.7x even for a [64, 128] tile (H200 sweep); 256-key tiles
         num_warps = 8 if block_m >= 128 or block_n >= 256 else 4  # take 8 (D=64 draft steps: 247 vs 252 us)
     direct = num_splits == 1
+    use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
     if direct:
         o_part = ml_part = out  # unused
     else:
@@ -126,11 +133,11 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
         out.stride(0), out.stride(1), out.stride(2),
         batch, heads_kv, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype), USE_GDC=use_gdc,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
     )
     if not direct:
-        combine_splits(o_part, ml_part, out, lse)
+        combine_splits(o_part, ml_part, out, lse, pdl=use_gdc)
 
 
 @torch.library.custom_op("trtllm_dustin::verify_attention", mutates_args=("out", "lse"))

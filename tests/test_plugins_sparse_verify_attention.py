@@ -140,11 +140,11 @@ def test_all_indices_equal_full_attention(length, t, group):
                          [(1, 16, False, True, False), (2, 32, True, True, False), (2, 32, True, False, False),
                           (7, 64, False, True, False), (7, 16, False, False, False), (3, 16, True, True, False),
                           (1, 64, True, True, True), (2, 32, True, True, True), (3, 16, False, False, True),
-                          (7, 64, True, True, True)])
+                          (7, 64, True, True, True), (1, 64, True, True, "late"), (3, 32, False, True, "late")])
 def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine, new_separate):
     """Key splits (merged in-kernel or by a second launch), query-row blocks, index prefetching and folding the new
-    tokens in after the walk change the schedule, not the result; the in-kernel merge leaves its arrival counters
-    at zero for the next launch."""
+    tokens in after the walk (their K/V gathered before it, or after it: "late") change the schedule, not the result;
+    the in-kernel merge leaves its arrival counters at zero for the next launch."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward, split_counters
 
     torch.manual_seed(num_splits)

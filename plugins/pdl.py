@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the project's Triton kernels.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
+finishing; its programs then block in `gdc_wait` until that kernel has completed and its writes
+are visible. Every kernel here that takes `USE_GDC` calls `gdc_wait` before its first global
+memory access, so it reads nothing early and is correct after any predecessor (a cuBLAS GEMM, a
+torch op, another of ours). What overlaps is the launch and program set-up, and, when the
+predecessor is one of ours, its store epilogue: our kernels call `gdc_launch_dependents` once
+their main loop is done, which lets the next PDL launch be scheduled (it still waits in
+`gdc_wait` for the whole grid to complete). Inside a CUDA graph the launch attribute becomes a
+programmatic edge.
+
+TRTLLM_DUSTIN_PDL=0 turns it off; it is also off on the CPU (interpreter), before sm_90, and on
+a Triton without the launch option.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_enabled", "triton_supports_pdl"]
+
+
+@functools.cache
+def triton_supports_pdl() -> bool:
+    """Whether this Triton has the grid-dependency ops and the `launch_pdl` launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL for launches on `device`: CUDA sm_90+, a Triton that has it, and not turned off by the env."""
+    if device.type != "cuda" or os.environ.get("TRTLLM_DUSTIN_PDL", "1") == "0":
+        return False
+    if not triton_supports_pdl():
+        return False
+    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(use_gdc: bool) -> dict:
+    """Extra kernel-launch keywords: `launch_pdl` only when PDL is on (older Tritons lack the option)."""
+    return {"launch_pdl": True} if use_gdc else {}
+
+
+@triton.jit
+def gdc_wait_if(USE_GDC: tl.constexpr):
+    """Block until the previous kernel in the stream has completed (PDL launches only)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def gdc_launch_if(USE_GDC: tl.constexpr):
+    """Let the next PDL launch in the stream be scheduled (it still waits for this grid to complete)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()

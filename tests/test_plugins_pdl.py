@@ -1,0 +1,104 @@
+"""Programmatic dependent launch (plugins/pdl.py): when it is on, and that a PDL launch never reads what the kernel
+before it in the stream is still writing.
+
+The GPU test chains, inside one CUDA graph, the kernels that run back to back in a verify layer: the fused rotary +
+cache write produces q and the new tokens' K/V, and the attention kernel launched right after it must see them.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_common import needs_cuda  # noqa: E402
+
+from trtllm_dustin.plugins import pdl  # noqa: E402
+from trtllm_dustin.plugins.fused_ops import rope_qkv_to_cache, rope_qkv_to_cache_ref  # noqa: E402
+from trtllm_dustin.plugins.reference import sparse_verify_attention_ref, verify_attention_ref  # noqa: E402
+from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward  # noqa: E402
+from trtllm_dustin.plugins.verify_attention import verify_attention_forward  # noqa: E402
+
+
+def test_off_on_cpu_and_by_env(monkeypatch):
+    monkeypatch.delenv("TRTLLM_DUSTIN_PDL", raising=False)
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    assert pdl.launch_kwargs(False) == {}
+    assert pdl.launch_kwargs(True) == {"launch_pdl": True}
+    monkeypatch.setenv("TRTLLM_DUSTIN_PDL", "0")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
+
+
+def test_gdc_after_indices_needs_one_split_and_pdl():
+    q = torch.zeros(1, 1, 2, 16)
+    cache = torch.zeros(1, 1, 8, 16)
+    seqlens = torch.tensor([4], dtype=torch.int32)
+    indices = torch.tensor([[0, 1]], dtype=torch.int32)
+    lse = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="gdc_after_indices"):
+        sparse_verify_attention_forward(q, cache, cache, seqlens, indices, 0.25, torch.empty_like(q), lse,
+                                        num_splits=2, pdl=True, gdc_after_indices=True)
+
+
+def _rope_tables(batch, t, head_dim, positions):
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    angles = positions.float()[..., None] * inv  # [B, T, D/2]
+    return angles.cos(), angles.sin()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sparse", "sparse_early_indices", "full"])
+def test_attention_sees_what_the_previous_kernel_wrote(kind):
+    """rope_qkv_to_cache then attention, captured in one graph with PDL on, replayed on new inputs: the attention
+    output equals the float64 reference on the caches and q the rotary kernel wrote in the same replay."""
+    if not pdl.pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL is off here (Triton without launch_pdl, pre-sm_90, or TRTLLM_DUSTIN_PDL=0)")
+    torch.manual_seed(5)
+    batch, t, heads, heads_kv, head_dim, length = 4, 4, 32, 8, 128, 3000
+    s_max = length + 8
+    dtype = torch.bfloat16
+    k_cache = torch.randn(batch, heads_kv, s_max, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.tensor([length, 2000, 1234, 77], dtype=torch.int32, device="cuda")
+    positions = seqlens[:, None].long() + torch.arange(t, device="cuda")[None, :]
+    cos, sin = _rope_tables(batch, t, head_dim, positions)
+    qkv = torch.randn(batch, t, (heads + 2 * heads_kv) * head_dim, device="cuda", dtype=dtype)
+    indices = torch.stack([torch.randperm(int(n), device="cuda")[:512] for n in seqlens.tolist()]).to(torch.int32)
+    scale = head_dim ** -0.5
+    out = torch.empty(batch, t, heads, head_dim, device="cuda", dtype=dtype)
+    lse = torch.empty(batch, t, heads, device="cuda")
+    q_holder = {}
+
+    def step():
+        q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, heads_kv, head_dim)
+        q_holder["q"] = q
+        if kind == "full":
+            verify_attention_forward(q, k_cache, v_cache, seqlens, scale, out, lse, pdl=True)
+        else:
+            sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, scale, out, lse, num_splits=1,
+                                            pdl=True, gdc_after_indices=kind == "sparse_early_indices")
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(3):
+        qkv.copy_(torch.randn_like(qkv))  # new q and new-token K/V for the rotary kernel to write; the new tokens'
+        qkv[..., (heads + heads_kv) * head_dim:] *= 50  # V is large, so attention over a stale copy of it shows
+        out.fill_(float("nan"))
+        stale_k = k_cache.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        k_ref, v_ref = stale_k, v_cache.clone()
+        q_ref = rope_qkv_to_cache_ref(qkv, cos, sin, k_ref, v_ref, positions, heads, heads_kv, head_dim)
+        torch.testing.assert_close(k_cache, k_ref)  # the rotary kernel wrote this replay's new tokens
+        torch.testing.assert_close(q_holder["q"], q_ref)
+        q, k_now, v_now = q_holder["q"].double(), k_cache.double(), v_cache.double()  # what the graph left behind
+        if kind == "full":
+            expected = verify_attention_ref(q, k_now, v_now, seqlens, scale)
+        else:
+            expected = sparse_verify_attention_ref(q, k_now, v_now, seqlens, indices, scale)
+        assert torch.isfinite(out).all()
+        err = (out.double() - expected).norm() / expected.norm()
+        assert err < 1.5e-2, f"replay {replay}: relative error {err:.2e} (stale q or new-token K/V read?)"
