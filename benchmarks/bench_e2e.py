@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
+from trtllm_dustin.plugins.pdl import pdl_enabled
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.vanilla import GenerationConfig
@@ -174,7 +176,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
     parser.add_argument("--fused-elementwise", choices=["off", "on"], default="on",
                         help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
+    parser.add_argument("--pdl", choices=["off", "on"], default="on",
+                        help="programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)")
     args = parser.parse_args()
+    os.environ["TRTLLM_DUSTIN_PDL"] = "1" if args.pdl == "on" else "0"
     args.methods = args.methods.split(",")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -193,6 +198,7 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
                     "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
+                    "pdl": pdl_enabled(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:
