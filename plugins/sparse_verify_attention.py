@@ -35,6 +35,8 @@ __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_
 # Sparse chunks are short (k = 512 keys in all): the partial outputs and the combine launch cost
 # more than extra key splits gain (H200: 1 split 23.8 us, 4 splits 39.7 us at B=16, 72B heads).
 MIN_KEYS_PER_SPLIT = 1024
+# preload_indices keeps the whole list in registers: 1024 int32 are 8 per thread at 4 warps.
+MAX_PRELOAD_INDICES = 1024
 # Launch defaults from the H200 sweep (B=16, L=32K, Qwen2.5-72B heads, T=5, k=512): index
 # prefetch, all T * G rows in one tile (block_m=64), 64-key tiles, 3 stages: 16.5 us; without the
 # prefetch 23.7 us; splitting the rows over programs (block_m=16 / 32) 21.0 / 21.2 us. Run 3 (same
@@ -67,7 +69,7 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_AFTER_INDICES: tl.constexpr = False, NEW_LATE: tl.constexpr = False,
+    GDC_AFTER_INDICES: tl.constexpr = False, NEW_LATE: tl.constexpr = False, PRELOAD_TILES: tl.constexpr = 0,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -117,7 +119,12 @@ def _sparse_verify_attention_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
+    if PRELOAD_TILES > 0:  # the whole index list (PRELOAD_TILES >= cdiv(K, BLOCK_N) tiles) in registers up front:
+        # the walk then issues no index load, and each tile's gather addresses are known before the tile
+        tile_ids = tl.arange(0, PRELOAD_TILES)
+        offs_all = tile_ids[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        idx_all = tl.load(idx_base + offs_all, mask=offs_all < num_indices, other=-1)
+    elif PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
         offs_first = start + tl.arange(0, BLOCK_N)
         if GDC_AFTER_INDICES:
             idx_next = idx_early  # one split: start == 0
@@ -127,7 +134,9 @@ def _sparse_verify_attention_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         from_list = offs_n < num_indices
         new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
-        if PREFETCH_INDICES:
+        if PRELOAD_TILES > 0:  # row n0 / BLOCK_N of the preloaded list (rows past the list hold -1)
+            idx = tl.sum(tl.where(tile_ids[:, None] == n0 // BLOCK_N, idx_all, 0), axis=0)
+        elif PREFETCH_INDICES:
             idx = idx_next
             offs_after = offs_n + BLOCK_N
             idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
@@ -161,11 +170,13 @@ def _sparse_verify_attention_kernel(
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    gdc_after_indices=False):
+                                    gdc_after_indices=False, preload_indices=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
     block_m <= 32; "late": gather them after the walk); otherwise they are the last T items of the walk.
+    preload_indices: load the whole index list into registers before the walk (K <= MAX_PRELOAD_INDICES; longer
+    lists use prefetch_indices).
     pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
     previous kernel has completed. gdc_after_indices (sweeps only, one split): read the first index block and
     the seqlens before that wait, which is only correct when the previous kernel wrote neither.
@@ -198,6 +209,9 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     direct = num_splits == 1
     fused = fused_combine and not direct
     use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
+    preload_tiles = triton.next_power_of_2(max(1, triton.cdiv(num_indices + t, block_n)))
+    if not preload_indices or num_indices > MAX_PRELOAD_INDICES or gdc_after_indices:
+        preload_tiles = 0
     if gdc_after_indices and (num_splits != 1 or not prefetch_indices or not use_gdc):
         raise ValueError("sparse_verify_attention_forward: gdc_after_indices needs one split, prefetch_indices "
                          "and pdl")
@@ -218,6 +232,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=bool(new_separate), NEW_LATE=new_separate == "late",
+        PRELOAD_TILES=preload_tiles,
         BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc, GDC_AFTER_INDICES=gdc_after_indices,
         num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
     )

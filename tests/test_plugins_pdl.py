@@ -63,7 +63,10 @@ def test_attention_sees_what_the_previous_kernel_wrote(kind):
     positions = seqlens[:, None].long() + torch.arange(t, device="cuda")[None, :]
     cos, sin = _rope_tables(batch, t, head_dim, positions)
     qkv = torch.randn(batch, t, (heads + 2 * heads_kv) * head_dim, device="cuda", dtype=dtype)
-    indices = torch.stack([torch.randperm(int(n), device="cuda")[:512] for n in seqlens.tolist()]).to(torch.int32)
+    indices = torch.full((batch, 512), -1, dtype=torch.int32, device="cuda")
+    for b, n in enumerate(seqlens.tolist()):
+        chosen = torch.randperm(n, device="cuda")[:512]
+        indices[b, : len(chosen)] = chosen.to(torch.int32)
     scale = head_dim ** -0.5
     out = torch.empty(batch, t, heads, head_dim, device="cuda", dtype=dtype)
     lse = torch.empty(batch, t, heads, device="cuda")
