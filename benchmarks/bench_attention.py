@@ -355,8 +355,9 @@ def sweep_srh(rows, batch=16, length=32768):
 def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
     """Programmatic dependent launch on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the
     table times it (8 (q, indices) sets x 4 passes per graph), every config twice, interleaved: pdl off / on for the
-    full and the sparse kernel, the sparse kernel with its first index block read before the wait (sweep only), and
-    at T=5 the new tokens folded in after the walk with their K/V gathered before it (new_separate) or after it."""
+    full and the sparse kernel, and at T=5 new_separate with PDL. Run 9 (7b99c22, attention_h200.sweep9.json) also
+    timed variants removed since (the first index block read before the PDL wait; the new tokens' K/V gathered after
+    the walk), and run 10 (4548ad9, sweep10) the whole index list preloaded into registers: all slower or no better."""
     shape = TARGETS["Qwen2.5-72B"]
     scale = 1 / math.sqrt(shape.head_dim)
     for t in (4, 5):
@@ -365,10 +366,9 @@ def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
         qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
         outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(pdl=False), dict(pdl=True), dict(pdl=True, gdc_after_indices=True)]
+        configs = [dict(pdl=False), dict(pdl=True)]
         if t == 5:
-            configs += [dict(pdl=True, new_separate=True), dict(pdl=True, new_separate="late"),
-                        dict(pdl=False, new_separate="late")]
+            configs += [dict(pdl=True, new_separate=True)]
         for _ in range(rounds):
             for pdl in (False, True):
                 call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, pdl=pdl)
@@ -381,43 +381,7 @@ def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
         torch.cuda.empty_cache()
 
 
-def sweep_preload(generator, rows, batch=16, length=32768, rounds=3):
-    """Run 10, on the acceptance case timed as the table times it, every config `rounds` times, interleaved:
-    preload_indices (the whole index list in registers before the walk: no index load inside it) against the
-    default, alone and with key splits, deeper pipelines, 32-key tiles, new_separate and PDL."""
-    shape = TARGETS["Qwen2.5-72B"]
-    scale = 1 / math.sqrt(shape.head_dim)
-    for t in (4, 5):
-        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
-        lse = torch.empty(q.shape[:3], device="cuda")
-        qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
-        outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
-        index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(pdl=False), dict(pdl=False, preload_indices=True),
-                   dict(pdl=False, preload_indices=True, num_stages=4),
-                   dict(pdl=False, preload_indices=True, num_splits=2),
-                   dict(pdl=False, preload_indices=True, block_n=32, num_stages=4),
-                   dict(pdl=True, preload_indices=True),
-                   dict(pdl=False, preload_indices=True, new_separate=not (t == 4)),
-                   dict(pdl=False, preload_indices=True, num_warps=8)]
-        for _ in range(rounds):
-            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, pdl=False)
-            timed(rows, "preload-full", [call] * 4, kind="preload_full", tokens=t, pdl=False)
-            for kw in configs:
-                calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
-                                 **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
-                timed(rows, "preload-sparse", calls * SPARSE_PASSES, kind="preload_sparse", tokens=t, **kw)
-        for k in (0, 128, 512, 2048):
-            sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
-            for preload in (False, True):
-                calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, outs[0],
-                                 lse, pdl=False, preload_indices=preload) for ii in sets]
-                timed(rows, "preload-k", calls, kind="preload_vs_k", tokens=t, k=k, preload_indices=preload)
-        del q, k_cache, v_cache
-        torch.cuda.empty_cache()
-
-
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "preload")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -433,8 +397,6 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_draft_decode(rows)
     if "pdl" in parts:
         sweep_pdl(generator, rows)
-    if "preload" in parts:
-        sweep_preload(generator, rows)
     return rows
 
 

@@ -35,8 +35,6 @@ __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_
 # Sparse chunks are short (k = 512 keys in all): the partial outputs and the combine launch cost
 # more than extra key splits gain (H200: 1 split 23.8 us, 4 splits 39.7 us at B=16, 72B heads).
 MIN_KEYS_PER_SPLIT = 1024
-# preload_indices keeps the whole list in registers: 1024 int32 are 8 per thread at 4 warps.
-MAX_PRELOAD_INDICES = 1024
 # Launch defaults from the H200 sweep (B=16, L=32K, Qwen2.5-72B heads, T=5, k=512): index
 # prefetch, all T * G rows in one tile (block_m=64), 64-key tiles, 3 stages: 16.5 us; without the
 # prefetch 23.7 us; splitting the rows over programs (block_m=16 / 32) 21.0 / 21.2 us. Run 3 (same
@@ -53,7 +51,13 @@ MAX_PRELOAD_INDICES = 1024
 # and cost 1.4-1.8 us at T=5 (40 rows in a 64-row tile) in four; why T=5 loses is not established, so it is on
 # for tiles of <= 32 rows (block_m <= 32) only. Run 8 (95c9d74): T=5's 40 rows as two 32-row or three 16-row
 # blocks, with or without new_separate, took 20.6-29.1 us against 16.6 for one 64-row block
-# (attention_h200.sweep8.json).
+# (attention_h200.sweep8.json). Run 9 (7b99c22, attention_h200.sweep9.json): programmatic dependent launch (PDL,
+# plugins/pdl.py) made this kernel slower, 16.8 / 17.2 against 15.9 / 16.6 us at T=4 and 18.0 / 18.6 against
+# 16.6 / 17.7 at T=5, so it is off here by default (the full kernel keeps it: 470 against 475 us); reading the first
+# index block before the PDL wait was no better than no PDL, and gathering the new tokens after the walk instead of
+# before it was slower (18.2-18.3 us at T=5). Run 10 (4548ad9, sweep10): the whole index list in registers before the
+# walk (no index load inside it) took 20.5-21.0 us at T=4 and 18.4-19.0 at T=5 against 15.8-16.3 / 16.7-17.4 us;
+# with 2 splits, 4 stages, 32-key tiles or 8 warps it was slower still. Those three options were removed again.
 
 
 @triton.jit
@@ -69,7 +73,6 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_AFTER_INDICES: tl.constexpr = False, NEW_LATE: tl.constexpr = False, PRELOAD_TILES: tl.constexpr = 0,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -86,30 +89,21 @@ def _sparse_verify_attention_kernel(
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
     idx_base = indices_ptr + b.to(tl.int64) * stride_ib
-    if GDC_AFTER_INDICES:  # sweep only: the first index block is read before the wait (the caller vouches that the
-        # previous kernel did not write the indices or seqlens)
-        idx_early = tl.load(idx_base + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < num_indices, other=-1)
-        seqlen = tl.load(seqlens_ptr + b)
-        gdc_wait_if(USE_GDC)
-        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    else:
-        gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
-        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        seqlen = tl.load(seqlens_ptr + b)
+    gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    seqlen = tl.load(seqlens_ptr + b)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     if NEW_SEPARATE:
         # The T new tokens are not items of the walk: the last split gathers their K/V here, before the loop, so
         # those loads overlap the walk, and folds them in after it; the walk covers the K index slots only, so
         # k = 512 is 8 tiles of 64 rather than 8 full tiles and a ninth holding the T new tokens.
-        # NEW_LATE (sweep): the loads come after the walk instead, so nothing extra is live in registers during it.
         n_items = num_indices
         offs_j = tl.arange(0, BLOCK_T)
         new_ok = offs_j < tl.where(split == num_splits - 1, T, 0)
         pos_new = seqlen + offs_j
-        if not NEW_LATE:
-            k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
-            v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
     else:
         n_items = num_indices + T
     chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
@@ -119,24 +113,14 @@ def _sparse_verify_attention_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PRELOAD_TILES > 0:  # the whole index list (PRELOAD_TILES >= cdiv(K, BLOCK_N) tiles) in registers up front:
-        # the walk then issues no index load, and each tile's gather addresses are known before the tile
-        tile_ids = tl.arange(0, PRELOAD_TILES)
-        offs_all = tile_ids[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        idx_all = tl.load(idx_base + offs_all, mask=offs_all < num_indices, other=-1)
-    elif PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
+    if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
         offs_first = start + tl.arange(0, BLOCK_N)
-        if GDC_AFTER_INDICES:
-            idx_next = idx_early  # one split: start == 0
-        else:
-            idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
+        idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         from_list = offs_n < num_indices
         new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
-        if PRELOAD_TILES > 0:  # row n0 / BLOCK_N of the preloaded list (rows past the list hold -1)
-            idx = tl.sum(tl.where(tile_ids[:, None] == n0 // BLOCK_N, idx_all, 0), axis=0)
-        elif PREFETCH_INDICES:
+        if PREFETCH_INDICES:
             idx = idx_next
             offs_after = offs_n + BLOCK_N
             idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
@@ -151,9 +135,6 @@ def _sparse_verify_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
-        if NEW_LATE:
-            k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
-            v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
         scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
         scores = tl.where(new_ok[None, :] & (offs_j[None, :] <= t_row[:, None]), scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
@@ -169,17 +150,13 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    gdc_after_indices=False, preload_indices=False):
+                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
-    block_m <= 32; "late": gather them after the walk); otherwise they are the last T items of the walk.
-    preload_indices: load the whole index list into registers before the walk (K <= MAX_PRELOAD_INDICES; longer
-    lists use prefetch_indices).
-    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
-    previous kernel has completed. gdc_after_indices (sweeps only, one split): read the first index block and
-    the seqlens before that wait, which is only correct when the previous kernel wrote neither.
+    block_m <= 32); otherwise they are the last T items of the walk.
+    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); off by default here, where it measured
+    slower (H200 run 9); the kernel then reads nothing before the previous kernel has completed.
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -209,12 +186,6 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     direct = num_splits == 1
     fused = fused_combine and not direct
     use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
-    preload_tiles = triton.next_power_of_2(max(1, triton.cdiv(num_indices + t, block_n)))
-    if not preload_indices or num_indices > MAX_PRELOAD_INDICES or gdc_after_indices:
-        preload_tiles = 0
-    if gdc_after_indices and (num_splits != 1 or not prefetch_indices or not use_gdc):
-        raise ValueError("sparse_verify_attention_forward: gdc_after_indices needs one split, prefetch_indices "
-                         "and pdl")
     counters = split_counters(q.device, batch * heads_kv * row_blocks) if fused else cache_seqlens  # else unused
     if direct:
         o_part = ml_part = out  # unused
@@ -231,9 +202,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
-        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=bool(new_separate), NEW_LATE=new_separate == "late",
-        PRELOAD_TILES=preload_tiles,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc, GDC_AFTER_INDICES=gdc_after_indices,
+        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc,
         num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
     )
     if not direct and not fused:

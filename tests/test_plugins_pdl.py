@@ -28,17 +28,6 @@ def test_off_on_cpu_and_by_env(monkeypatch):
     assert not pdl.pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
 
 
-def test_gdc_after_indices_needs_one_split_and_pdl():
-    q = torch.zeros(1, 1, 2, 16)
-    cache = torch.zeros(1, 1, 8, 16)
-    seqlens = torch.tensor([4], dtype=torch.int32)
-    indices = torch.tensor([[0, 1]], dtype=torch.int32)
-    lse = torch.zeros(1, 1, 2)
-    with pytest.raises(ValueError, match="gdc_after_indices"):
-        sparse_verify_attention_forward(q, cache, cache, seqlens, indices, 0.25, torch.empty_like(q), lse,
-                                        num_splits=2, pdl=True, gdc_after_indices=True)
-
-
 def _rope_tables(batch, t, head_dim, positions):
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
     angles = positions.float()[..., None] * inv  # [B, T, D/2]
@@ -47,7 +36,7 @@ def _rope_tables(batch, t, head_dim, positions):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["sparse", "sparse_early_indices", "full"])
+@pytest.mark.parametrize("kind", ["sparse", "full"])
 def test_attention_sees_what_the_previous_kernel_wrote(kind):
     """rope_qkv_to_cache then attention, captured in one graph with PDL on, replayed on new inputs: the attention
     output equals the float64 reference on the caches and q the rotary kernel wrote in the same replay."""
@@ -78,8 +67,7 @@ def test_attention_sees_what_the_previous_kernel_wrote(kind):
         if kind == "full":
             verify_attention_forward(q, k_cache, v_cache, seqlens, scale, out, lse, pdl=True)
         else:
-            sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, scale, out, lse, num_splits=1,
-                                            pdl=True, gdc_after_indices=kind == "sparse_early_indices")
+            sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, scale, out, lse, pdl=True)
 
     step()
     torch.cuda.synchronize()

@@ -140,13 +140,11 @@ def test_all_indices_equal_full_attention(length, t, group):
                          [(1, 16, False, True, False), (2, 32, True, True, False), (2, 32, True, False, False),
                           (7, 64, False, True, False), (7, 16, False, False, False), (3, 16, True, True, False),
                           (1, 64, True, True, True), (2, 32, True, True, True), (3, 16, False, False, True),
-                          (7, 64, True, True, True), (1, 64, True, True, "late"), (3, 32, False, True, "late")])
-@pytest.mark.parametrize("preload_indices", [False, True])
-def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine, new_separate, preload_indices):
+                          (7, 64, True, True, True)])
+def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine, new_separate):
     """Key splits (merged in-kernel or by a second launch), query-row blocks, index prefetching and folding the new
-    tokens in after the walk (their K/V gathered before it, or after it: "late") and loading the whole index list up
-    front (preload_indices) change the schedule, not the result;
-    the in-kernel merge leaves its arrival counters at zero for the next launch."""
+    tokens in after the walk change the schedule, not the result; the in-kernel merge leaves its arrival counters
+    at zero for the next launch."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward, split_counters
 
     torch.manual_seed(num_splits)
@@ -161,8 +159,7 @@ def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combi
         lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
         sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse,
                                         num_splits=num_splits, block_m=block_m, prefetch_indices=prefetch_indices,
-                                        fused_combine=fused_combine, new_separate=new_separate,
-                                        preload_indices=preload_indices)
+                                        fused_combine=fused_combine, new_separate=new_separate)
         assert_close(out, expected, torch.float32)
         torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)  # the merged log-sum-exp, same as one pass
     if fused_combine and num_splits > 1:
