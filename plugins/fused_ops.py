@@ -23,6 +23,7 @@ from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
 from .split_kv import runs_triton
 
 __all__ = [
+    "FUSED_DTYPES",
     "MAX_NORM_DIM",
     "add_rms_norm",
     "add_rms_norm_forward",
@@ -35,7 +36,7 @@ __all__ = [
     "silu_mul_ref",
 ]
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the fused kernels take
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # A norm row lives in registers (32 fp32 values per thread at 16 warps for 16384); wider rows need a looped kernel.
 MAX_NORM_DIM = 16384
@@ -111,7 +112,7 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _DTYPES:
+    if t.dtype not in FUSED_DTYPES:
         raise TypeError(f"{op}: {name} dtype {t.dtype} is not supported; use bfloat16, float16 or float32")
     if t.dim() == 0 or t.stride(-1) != 1:
         raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} has last-dim stride "
