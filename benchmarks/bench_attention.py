@@ -381,7 +381,34 @@ def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
         torch.cuda.empty_cache()
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl")
+def sweep_wide(generator, rows, batch=16, length=32768, rounds=3):
+    """Run 11, on the acceptance case timed as the table times it, every config `rounds` times, interleaved: at T=4
+    a 64-row tile for the 32 query rows (wide_tile: Hopper's wgmma instead of mma.sync, which the 32-row tile gets),
+    with and without new_separate, and PDL that signals the next launch only when the programs exit."""
+    shape = TARGETS["Qwen2.5-72B"]
+    scale = 1 / math.sqrt(shape.head_dim)
+    for t in (4, 5):
+        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        lse = torch.empty(q.shape[:3], device="cuda")
+        qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
+        outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
+        index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
+        configs = [dict(), dict(pdl=True, pdl_trigger=False)]
+        if t == 4:
+            configs += [dict(block_m=64, wide_tile=True, new_separate=True),
+                        dict(block_m=64, wide_tile=True, new_separate=False)]
+        for _ in range(rounds):
+            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse)
+            timed(rows, "wide-full", [call] * 4, kind="wide_full", tokens=t)
+            for kw in configs:
+                calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
+                                 **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
+                timed(rows, "wide-sparse", calls * SPARSE_PASSES, kind="wide_sparse", tokens=t, **kw)
+        del q, k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -397,6 +424,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_draft_decode(rows)
     if "pdl" in parts:
         sweep_pdl(generator, rows)
+    if "wide" in parts:
+        sweep_wide(generator, rows)
     return rows
 
 

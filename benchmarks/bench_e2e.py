@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -146,8 +147,16 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                            tau_realized=committed / (batch * rounds), tau_stated=args.tau or pair.tau,
                            alpha=alpha, acceptance="stated tau (random weights)",
                            phase_ms_per_round={k: v / rounds for k, v in passes[True][2].items()})
+            if args.profile_kernels and device.type == "cuda" and context == max(c for c in contexts if c <= longest):
+                one = (partial(decoder.decode_one_token, step) if method == "vanilla"
+                       else partial(decoder.round, state, config, PhaseTimer(False, device)))
+                try:  # a profiler failure costs the profile, not the measured row
+                    row["kernel_profile"] = kernel_profile(one, rounds)
+                except RuntimeError as error:
+                    row["kernel_profile_error"] = str(error)[:300]
             rows.append(row)
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "kernel_profile"},
+                  flush=True)
         del decoder
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -155,6 +164,29 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def kernel_profile(call, repeats: int, top: int = 40) -> dict:
+    """GPU time per call of each kernel `call` launches (torch.profiler, CUDA activity; graph replays included):
+    the `top` kernels by time, their launch counts per call, and the sum over all kernels against the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy_us = sum(e.device_time_total for e in kernels) / repeats
+    return {"repeats": repeats, "wall_ms_per_call": start.elapsed_time(end) / repeats,
+            "kernel_ms_per_call": busy_us / 1e3, "launches_per_call": sum(e.count for e in kernels) / repeats,
+            "top": [{"name": e.key[:120], "launches_per_call": e.count / repeats,
+                     "ms_per_call": e.device_time_total / repeats / 1e3} for e in kernels[:top]]}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -176,6 +208,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
     parser.add_argument("--fused-elementwise", choices=["off", "on"], default="on",
                         help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
+    parser.add_argument("--profile-kernels", action="store_true",
+                        help="also record per-kernel GPU time (torch.profiler) at the longest context of each method")
     parser.add_argument("--pdl", choices=["off", "on"], default="on",
                         help="programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)")
     args = parser.parse_args()

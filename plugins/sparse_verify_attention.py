@@ -73,6 +73,7 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
+    GDC_TRIGGER: tl.constexpr = True,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -138,7 +139,7 @@ def _sparse_verify_attention_kernel(
         scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
         scores = tl.where(new_ok[None, :] & (offs_j[None, :] <= t_row[:, None]), scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
-    gdc_launch_if(USE_GDC)  # only the stores are left: the next PDL launch may be scheduled
+    gdc_launch_if(USE_GDC and GDC_TRIGGER)  # only the stores are left: the next PDL launch may be scheduled
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
@@ -150,13 +151,16 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=False):
+                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=False,
+                                    pdl_trigger=True, wide_tile=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
     block_m <= 32); otherwise they are the last T items of the walk.
     pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); off by default here, where it measured
-    slower (H200 run 9); the kernel then reads nothing before the previous kernel has completed.
+    slower (H200 run 9); the kernel then reads nothing before the previous kernel has completed. pdl_trigger
+    (sweeps): signal the next launch after the walk (False: only when the programs exit).
+    wide_tile (sweeps): keep block_m even when it exceeds the T * G rows (a 64-row tile takes Hopper's wgmma).
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -179,7 +183,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     group = heads_q // heads_kv
     if num_splits is None:
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
-    block_m = min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
+    block_m = max(16, block_m) if wide_tile else min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
     row_blocks = triton.cdiv(t * group, block_m)
     if new_separate is None:  # H200 (B=16, 32K, 72B heads, k=512): T=4 (block_m 32) 16.4 / 16.5 us against 17.2 /
         new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
@@ -203,7 +207,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc, GDC_TRIGGER=pdl_trigger,
         num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
     )
     if not direct and not fused:

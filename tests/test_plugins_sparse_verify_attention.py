@@ -166,6 +166,23 @@ def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combi
         assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
+@needs_kernel
+@pytest.mark.parametrize("new_separate", [False, True])
+def test_wide_tile_masks_the_rows_past_t_times_g(new_separate):
+    """wide_tile keeps a 64-row tile for 16 query rows: the 48 padding rows are masked, the result is unchanged."""
+    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+
+    torch.manual_seed(21)
+    q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
+        700, 4, 2, 4, 64, torch.float32, 300, "scattered")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=1,
+                                    block_m=64, wide_tile=True, new_separate=new_separate)
+    assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
+    assert torch.isfinite(lse).all()
+
+
 @pytest.mark.parametrize("bad, message", [("dtype", "int32"), ("rows", r"\[2, K\]")])
 def test_errors_name_the_problem(bad, message):
     q = torch.randn(2, 2, 8, 64)
