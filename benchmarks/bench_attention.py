@@ -366,9 +366,9 @@ def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
         qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
         outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(pdl=False), dict(pdl=True)]
+        configs = [dict(pdl=False), dict(pdl=True, pdl_trigger=True)]
         if t == 5:
-            configs += [dict(pdl=True, new_separate=True)]
+            configs += [dict(pdl=True, pdl_trigger=True, new_separate=True)]
         for _ in range(rounds):
             for pdl in (False, True):
                 call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, pdl=pdl)
@@ -393,10 +393,10 @@ def sweep_wide(generator, rows, batch=16, length=32768, rounds=3):
         qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
         outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(), dict(pdl=True, pdl_trigger=False)]
+        configs = [dict(pdl=False), dict(pdl=True, pdl_trigger=False)]
         if t == 4:
-            configs += [dict(block_m=64, wide_tile=True, new_separate=True),
-                        dict(block_m=64, wide_tile=True, new_separate=False)]
+            configs += [dict(pdl=False, block_m=64, wide_tile=True, new_separate=True),
+                        dict(pdl=False, block_m=64, wide_tile=True, new_separate=False)]
         for _ in range(rounds):
             call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse)
             timed(rows, "wide-full", [call] * 4, kind="wide_full", tokens=t)

@@ -58,6 +58,10 @@ MIN_KEYS_PER_SPLIT = 1024
 # before it was slower (18.2-18.3 us at T=5). Run 10 (4548ad9, sweep10): the whole index list in registers before the
 # walk (no index load inside it) took 20.5-21.0 us at T=4 and 18.4-19.0 at T=5 against 15.8-16.3 / 16.7-17.4 us;
 # with 2 splits, 4 stages, 32-key tiles or 8 warps it was slower still. Those three options were removed again.
+# Run 11 (697d540, sweep11), three interleaved rounds: PDL whose programs signal the next launch only by exiting (no
+# gdc_launch_dependents after the walk) beat no PDL in all six pairs, 15.6 / 15.8 / 16.8 against 15.9 / 16.7 / 17.5 us
+# at T=4 and 16.3 / 16.8 / 16.7 against 16.7 / 19.0 / 18.1 at T=5: now the default. A 64-row tile at T=4 (wide_tile:
+# wgmma instead of the 32-row tile's mma.sync) took 16.1-16.2 us without new_separate and 18.1-18.2 with it.
 
 
 @triton.jit
@@ -73,7 +77,7 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_TRIGGER: tl.constexpr = True,
+    GDC_TRIGGER: tl.constexpr = False,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -151,15 +155,15 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=False,
-                                    pdl_trigger=True, wide_tile=False):
+                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
+                                    pdl_trigger=False, wide_tile=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
     block_m <= 32); otherwise they are the last T items of the walk.
-    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); off by default here, where it measured
-    slower (H200 run 9); the kernel then reads nothing before the previous kernel has completed. pdl_trigger
-    (sweeps): signal the next launch after the walk (False: only when the programs exit).
+    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
+    previous kernel has completed. pdl_trigger: also signal the next launch once the walk is done (the other kernels'
+    way); off here: with it the kernel measured slower than without PDL (H200 run 9), without it faster (run 11).
     wide_tile (sweeps): keep block_m even when it exceeds the T * G rows (a 64-row tile takes Hopper's wgmma).
 
     Launch contract:
