@@ -6,7 +6,8 @@ Public ops (also registered as torch.library ops in the `trtllm_dustin` namespac
   srh_score                Semantic-Retrieval-Head importance scores (Eq. 5, Sec. 4.2)
   select_verify_indices    Eq. 6 verification set; streaming_indices: StreamingLLM set
 On CUDA tensors the Triton kernels run; on CPU tensors too when TRITON_INTERPRET=1, otherwise
-the references in reference.py.
+the references in reference.py. On sm_90+ they are launched with programmatic dependent launch
+(pdl.py; TRTLLM_DUSTIN_PDL=0 turns it off).
 """
 
 from .selection import select_verify_indices, streaming_indices

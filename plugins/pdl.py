@@ -5,10 +5,12 @@ finishing; its programs then block in `gdc_wait` until that kernel has completed
 are visible. Every kernel here that takes `USE_GDC` calls `gdc_wait` before its first global
 memory access, so it reads nothing early and is correct after any predecessor (a cuBLAS GEMM, a
 torch op, another of ours). What overlaps is the launch and program set-up, and, when the
-predecessor is one of ours, its store epilogue: our kernels call `gdc_launch_dependents` once
-their main loop is done, which lets the next PDL launch be scheduled (it still waits in
-`gdc_wait` for the whole grid to complete). Inside a CUDA graph the launch attribute becomes a
-programmatic edge.
+predecessor is one of ours, its store epilogue: the full verify and the fused elementwise kernels
+call `gdc_launch_dependents` once their main loop is done (the elementwise ones right after the
+wait), which lets the next PDL launch be scheduled (it still waits in `gdc_wait` for the whole
+grid to complete). The sparse verify kernel signals only by exiting: with the early signal it
+measured slower than without PDL, without it faster (H200 runs 9 and 11). Inside a CUDA graph
+the launch attribute becomes a programmatic edge.
 
 TRTLLM_DUSTIN_PDL=0 turns it off; it is also off on the CPU (interpreter), before sm_90, and on
 a Triton without the launch option.

@@ -53,7 +53,7 @@ MIN_KEYS_PER_SPLIT = 1024
 # blocks, with or without new_separate, took 20.6-29.1 us against 16.6 for one 64-row block
 # (attention_h200.sweep8.json). Run 9 (7b99c22, attention_h200.sweep9.json): programmatic dependent launch (PDL,
 # plugins/pdl.py) made this kernel slower, 16.8 / 17.2 against 15.9 / 16.6 us at T=4 and 18.0 / 18.6 against
-# 16.6 / 17.7 at T=5, so it is off here by default (the full kernel keeps it: 470 against 475 us); reading the first
+# 16.6 / 17.7 at T=5, so it was turned off here (the full kernel kept it: 470 against 475 us); reading the first
 # index block before the PDL wait was no better than no PDL, and gathering the new tokens after the walk instead of
 # before it was slower (18.2-18.3 us at T=5). Run 10 (4548ad9, sweep10): the whole index list in registers before the
 # walk (no index load inside it) took 20.5-21.0 us at T=4 and 18.4-19.0 at T=5 against 15.8-16.3 / 16.7-17.4 us;
