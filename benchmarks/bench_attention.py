@@ -352,60 +352,48 @@ def sweep_srh(rows, batch=16, length=32768):
         torch.cuda.empty_cache()
 
 
-def sweep_pdl(generator, rows, batch=16, length=32768, rounds=2):
-    """Programmatic dependent launch on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the
-    table times it (8 (q, indices) sets x 4 passes per graph), every config twice, interleaved: pdl off / on for the
-    full and the sparse kernel, and at T=5 new_separate with PDL. Run 9 (7b99c22, attention_h200.sweep9.json) also
-    timed variants removed since (the first index block read before the PDL wait; the new tokens' K/V gathered after
-    the walk), and run 10 (4548ad9, sweep10) the whole index list preloaded into registers: all slower or no better."""
+def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, rounds, batch=16, length=32768):
+    """Launch variants on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the table times it, in
+    `rounds` interleaved rounds: each round times every full-kernel config (4 calls per graph), then every sparse one
+    (8 (q, indices) sets x 4 passes per graph). sparse_configs: {T: [launch keywords]}."""
     shape = TARGETS["Qwen2.5-72B"]
     scale = 1 / math.sqrt(shape.head_dim)
-    for t in (4, 5):
+    for t, configs in sparse_configs.items():
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         lse = torch.empty(q.shape[:3], device="cuda")
         qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
         outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(pdl=False), dict(pdl=True, pdl_trigger=True)]
-        if t == 5:
-            configs += [dict(pdl=True, pdl_trigger=True, new_separate=True)]
         for _ in range(rounds):
-            for pdl in (False, True):
-                call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, pdl=pdl)
-                timed(rows, "pdl-full", [call] * 4, kind="pdl_full", tokens=t, pdl=pdl)
+            for kw in full_configs:
+                call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, **kw)
+                timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", tokens=t, **kw)
             for kw in configs:
                 calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
                                  **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
-                timed(rows, "pdl-sparse", calls * SPARSE_PASSES, kind="pdl_sparse", tokens=t, **kw)
+                timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", tokens=t, **kw)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
 
 
-def sweep_wide(generator, rows, batch=16, length=32768, rounds=3):
-    """Run 11, on the acceptance case timed as the table times it, every config `rounds` times, interleaved: at T=4
-    a 64-row tile for the 32 query rows (wide_tile: Hopper's wgmma instead of mma.sync, which the 32-row tile gets),
-    with and without new_separate, and PDL that signals the next launch only when the programs exit."""
-    shape = TARGETS["Qwen2.5-72B"]
-    scale = 1 / math.sqrt(shape.head_dim)
-    for t in (4, 5):
-        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
-        lse = torch.empty(q.shape[:3], device="cuda")
-        qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
-        outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
-        index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        configs = [dict(pdl=False), dict(pdl=True, pdl_trigger=False)]
-        if t == 4:
-            configs += [dict(pdl=False, block_m=64, wide_tile=True, new_separate=True),
-                        dict(pdl=False, block_m=64, wide_tile=True, new_separate=False)]
-        for _ in range(rounds):
-            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse)
-            timed(rows, "wide-full", [call] * 4, kind="wide_full", tokens=t)
-            for kw in configs:
-                calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
-                                 **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
-                timed(rows, "wide-sparse", calls * SPARSE_PASSES, kind="wide_sparse", tokens=t, **kw)
-        del q, k_cache, v_cache
-        torch.cuda.empty_cache()
+def sweep_pdl(generator, rows):
+    """Programmatic dependent launch, every config twice: pdl off / on for the full and the sparse kernel, and at T=5
+    new_separate with PDL. Run 9 (7b99c22, attention_h200.sweep9.json) also timed variants removed since (the first
+    index block read before the PDL wait; the new tokens' K/V gathered after the walk), and run 10 (4548ad9, sweep10)
+    the whole index list preloaded into registers: all slower or no better."""
+    with_signal = dict(pdl=True, pdl_trigger=True)
+    sweep_acceptance_case(generator, rows, "pdl", [dict(pdl=False), dict(pdl=True)],
+                          {4: [dict(pdl=False), with_signal],
+                           5: [dict(pdl=False), with_signal, dict(with_signal, new_separate=True)]}, rounds=2)
+
+
+def sweep_wide(generator, rows):
+    """Run 11, every config three times: at T=4 a 64-row tile for the 32 query rows (wide_tile: Hopper's wgmma instead
+    of mma.sync, which the 32-row tile gets), with and without new_separate, and PDL that signals the next launch only
+    when the programs exit."""
+    base = [dict(pdl=False), dict(pdl=True, pdl_trigger=False)]
+    wide = [dict(pdl=False, block_m=64, wide_tile=True, new_separate=sep) for sep in (True, False)]
+    sweep_acceptance_case(generator, rows, "wide", [dict()], {4: base + wide, 5: base}, rounds=3)
 
 
 SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide")
