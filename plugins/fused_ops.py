@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .split_kv import runs_triton
 
 __all__ = [
@@ -51,12 +51,6 @@ def _soft_bf16() -> bool:
     """Round fp32 -> bf16 in integer arithmetic? Triton 3.9's interpreter truncates that cast (GPUs round to
     nearest even, as torch does), so under the interpreter the kernels round by hand to stay bit-exact."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _pdl_args(t: torch.Tensor) -> dict:
-    """USE_GDC and launch_pdl for a launch on t's device (plugins.pdl: the kernels wait before reading)."""
-    use_gdc = pdl_enabled(t.device)
-    return {"USE_GDC": use_gdc, **launch_kwargs(use_gdc)}
 
 
 @triton.jit
@@ -182,7 +176,7 @@ def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: to
         x.stride(0), delta.stride(0) if has_delta else 0, normed.stride(0), summed.stride(0) if has_delta else 0,
         cols, 1.0 / cols, eps,
         HAS_DELTA=has_delta, BLOCK=block, SOFT_BF16=_soft_bf16(), num_warps=num_warps, enable_fp_fusion=False,
-        **_pdl_args(x),
+        **gdc_args(pdl_enabled(x.device)),
     )
 
 
@@ -319,7 +313,7 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         v_cache.stride(2),
         t,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, BLOCK_H=block_h,
-        SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **_pdl_args(qkv),
+        SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **gdc_args(pdl_enabled(qkv.device)),
     )
 
 
@@ -428,7 +422,8 @@ def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor) -> None:
         return
     _silu_mul_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
-        BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **_pdl_args(gate_up),
+        BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False,
+        **gdc_args(pdl_enabled(gate_up.device)),
     )
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_enabled", "triton_supports_pdl"]
+__all__ = ["gdc_args", "gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_enabled", "triton_supports_pdl"]
 
 
 @functools.cache
@@ -55,6 +55,11 @@ def pdl_enabled(device: torch.device) -> bool:
 def launch_kwargs(use_gdc: bool) -> dict:
     """Extra kernel-launch keywords: `launch_pdl` only when PDL is on (older Tritons lack the option)."""
     return {"launch_pdl": True} if use_gdc else {}
+
+
+def gdc_args(use_gdc: bool) -> dict:
+    """What a launch of a kernel taking USE_GDC passes: the constexpr and, when on, the launch option."""
+    return {"USE_GDC": use_gdc, **launch_kwargs(use_gdc)}
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
-from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .reference import sparse_verify_attention_ref
 from .split_kv import (
     LOG2E,
@@ -211,8 +211,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), USE_GDC=use_gdc, GDC_TRIGGER=pdl_trigger,
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
+        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger,
+        num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct and not fused:
         combine_splits(o_part, ml_part, out, lse)

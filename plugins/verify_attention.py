@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
-from .pdl import gdc_launch_if, gdc_wait_if, launch_kwargs, pdl_enabled
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .reference import verify_attention_ref
 from .split_kv import (
     LOG2E,
@@ -133,8 +133,8 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
         out.stride(0), out.stride(1), out.stride(2),
         batch, heads_kv, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype), USE_GDC=use_gdc,
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(use_gdc),
+        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype),
+        num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct:
         combine_splits(o_part, ml_part, out, lse, pdl=use_gdc)
