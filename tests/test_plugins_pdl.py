@@ -28,7 +28,7 @@ def test_off_on_cpu_and_by_env(monkeypatch):
     assert not pdl.pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
 
 
-def _rope_tables(batch, t, head_dim, positions):
+def _rope_tables(head_dim, positions):
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
     angles = positions.float()[..., None] * inv  # [B, T, D/2]
     return angles.cos(), angles.sin()
@@ -50,7 +50,7 @@ def test_attention_sees_what_the_previous_kernel_wrote(kind):
     v_cache = torch.randn_like(k_cache)
     seqlens = torch.tensor([length, 2000, 1234, 77], dtype=torch.int32, device="cuda")
     positions = seqlens[:, None].long() + torch.arange(t, device="cuda")[None, :]
-    cos, sin = _rope_tables(batch, t, head_dim, positions)
+    cos, sin = _rope_tables(head_dim, positions)
     qkv = torch.randn(batch, t, (heads + 2 * heads_kv) * head_dim, device="cuda", dtype=dtype)
     indices = torch.full((batch, 512), -1, dtype=torch.int32, device="cuda")
     for b, n in enumerate(seqlens.tolist()):
