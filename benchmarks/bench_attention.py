@@ -396,7 +396,15 @@ def sweep_wide(generator, rows):
     sweep_acceptance_case(generator, rows, "wide", [dict()], {4: base + wide, 5: base}, rounds=3)
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide")
+def sweep_tail(generator, rows):
+    """Run 12, every config three times at T=5 (40 query rows): the default 64-row tile (wgmma), the same with
+    new_separate, and tail_tile (a 32-row and a 16-row tile, both mma.sync, on one gather) with and without it."""
+    sweep_acceptance_case(generator, rows, "tail", [dict()],
+                          {5: [dict(), dict(new_separate=True), dict(tail_tile=True, new_separate=True),
+                               dict(tail_tile=True, new_separate=False)]}, rounds=3)
+
+
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -414,6 +422,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_pdl(generator, rows)
     if "wide" in parts:
         sweep_wide(generator, rows)
+    if "tail" in parts:
+        sweep_tail(generator, rows)
     return rows
 
 

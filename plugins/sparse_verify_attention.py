@@ -65,6 +65,27 @@ MIN_KEYS_PER_SPLIT = 1024
 
 
 @triton.jit
+def _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs_d, T: tl.constexpr,
+                GROUP: tl.constexpr):
+    """Tile rows r = t * GROUP + g: token t, query head kv_head * GROUP + g; their queries (rows past T * G zero)."""
+    t_row = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = t_row < T
+    q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    return q, t_row, head, row_ok
+
+
+@triton.jit
+def _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2, DOT_MODE: tl.constexpr):
+    """One key tile for one row tile: list items are visible to every row, new token j to query tokens t >= j."""
+    scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
+    visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
+    scores = tl.where(visible, scores, float("-inf"))
+    return online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+
+
+@triton.jit
 def _sparse_verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, indices_ptr, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -77,7 +98,7 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_TRIGGER: tl.constexpr = False,
+    GDC_TRIGGER: tl.constexpr = False, TAIL_M: tl.constexpr = 0,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -86,16 +107,17 @@ def _sparse_verify_attention_kernel(
     kv_head = pair % num_kv_heads
     num_heads = num_kv_heads * GROUP
 
-    # Tile rows r = t * GROUP + g of this row block: token t, query head kv_head * GROUP + g.
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    t_row = offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = t_row < T
-    q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
     idx_base = indices_ptr + b.to(tl.int64) * stride_ib
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q, t_row, head, row_ok = _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs_d, T, GROUP)
+    if TAIL_M > 0:  # rows BLOCK_M .. BLOCK_M + TAIL_M - 1 in a second, smaller tile on the same gathered K/V
+        q2, t_row2, head2, row_ok2 = _query_rows(q_ptr, BLOCK_M + tl.arange(0, TAIL_M), b, kv_head, stride_qb,
+                                                 stride_qt, stride_qh, offs_d, T, GROUP)
+        m2 = tl.full([TAIL_M], NEG_BIG, dtype=tl.float32)
+        l2 = tl.zeros([TAIL_M], dtype=tl.float32)
+        acc2 = tl.zeros([TAIL_M, HEAD_DIM], dtype=tl.float32)
     seqlen = tl.load(seqlens_ptr + b)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -135,18 +157,25 @@ def _sparse_verify_attention_kernel(
         col_ok = (offs_n < end) & (pos >= 0)
         k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
-        visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+        m_i, l_i, acc = _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2, DOT_MODE)
+        if TAIL_M > 0:
+            m2, l2, acc2 = _attend(q2, k, v, t_row2, col_ok, from_list, new_token, m2, l2, acc2, qk_scale_log2,
+                                   DOT_MODE)
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
-        scores = tile_dot(q, tl.trans(k_new), DOT_MODE) * qk_scale_log2
-        scores = tl.where(new_ok[None, :] & (offs_j[None, :] <= t_row[:, None]), scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v_new, DOT_MODE)
+        not_listed = offs_j < 0
+        m_i, l_i, acc = _attend(q, k_new, v_new, t_row, new_ok, not_listed, offs_j, m_i, l_i, acc, qk_scale_log2,
+                                DOT_MODE)
+        if TAIL_M > 0:
+            m2, l2, acc2 = _attend(q2, k_new, v_new, t_row2, new_ok, not_listed, offs_j, m2, l2, acc2, qk_scale_log2,
+                                   DOT_MODE)
     gdc_launch_if(USE_GDC and GDC_TRIGGER)  # only the stores are left: the next PDL launch may be scheduled
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
+    if TAIL_M > 0:  # the launcher gives a tail tile to one-split launches only (no merge of its rows)
+        store_split_result(acc2, m2, l2, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row2, head2, row_ok2,
+                           offs_d, split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM,
+                           DIRECT_OUTPUT)
     if FUSED_COMBINE:  # the last program of this (pair, row block) to finish merges the splits: no second launch
         merge_if_last(counters_ptr + pair * ROW_BLOCKS + row_block, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b,
                       t_row, head, row_ok, offs_d, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh,
@@ -156,7 +185,7 @@ def _sparse_verify_attention_kernel(
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    pdl_trigger=False, wide_tile=False):
+                                    pdl_trigger=False, wide_tile=False, tail_tile=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
@@ -165,6 +194,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     previous kernel has completed. pdl_trigger: also signal the next launch once the walk is done (the other kernels'
     way); off here: with it the kernel measured slower than without PDL (H200 run 9), without it faster (run 11).
     wide_tile (sweeps): keep block_m even when it exceeds the T * G rows (a 64-row tile takes Hopper's wgmma).
+    tail_tile: serve T * G rows in 33..48 (T = 5 at GQA 8 or 7) as a 32-row and a 16-row tile on the same gathered
+    K/V (both mma.sync on Hopper) instead of one 64-row tile; one-split launches only (else ignored).
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -188,7 +219,10 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     if num_splits is None:
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
     block_m = max(16, block_m) if wide_tile else min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
-    row_blocks = triton.cdiv(t * group, block_m)
+    tail_m = 16 if tail_tile and num_splits == 1 and 32 < t * group <= 48 else 0
+    if tail_m:
+        block_m = 32
+    row_blocks = 1 if tail_m else triton.cdiv(t * group, block_m)
     if new_separate is None:  # H200 (B=16, 32K, 72B heads, k=512): T=4 (block_m 32) 16.4 / 16.5 us against 17.2 /
         new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
     direct = num_splits == 1
@@ -211,7 +245,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger, TAIL_M=tail_m,
         num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct and not fused:

@@ -183,6 +183,27 @@ def test_wide_tile_masks_the_rows_past_t_times_g(new_separate):
     assert torch.isfinite(lse).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("group, new_separate", [(8, False), (8, True), (7, True), (7, False)])
+def test_tail_tile_serves_rows_33_to_48(group, new_separate):
+    """tail_tile: T = 5 at GQA 8 / 7 (40 / 35 rows) as a 32-row and a 16-row tile on the same gathered K/V equals the
+    reference and the one-tile launch (output and log-sum-exp); no padding or unselected row is read (NaN there)."""
+    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+
+    torch.manual_seed(group * 3 + new_separate)
+    q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
+        500, 5, 2, group, 64, torch.float32, 150, "scattered")
+    lse_one = torch.empty(q.shape[:3], device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_one,
+                                    num_splits=1)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=1,
+                                    new_separate=new_separate, tail_tile=True)
+    assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
+    torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bad, message", [("dtype", "int32"), ("rows", r"\[2, K\]")])
 def test_errors_name_the_problem(bad, message):
     q = torch.randn(2, 2, 8, 64)
