@@ -13,6 +13,7 @@ q and the indices) against the measured 4.26 TB/s device copy ceiling.
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -248,9 +249,15 @@ def bench_estimator(pair, batch, length, target_cache, full_ms, generator, repla
     }
 
 
-def make_problem(shape, batch, length, t, dtype=torch.bfloat16):
-    k_cache = torch.randn(batch, shape.heads_kv, length + 16, shape.head_dim, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
+def make_problem(shape, batch, length, t, dtype=torch.bfloat16, kv_pairs=False):
+    """kv_pairs: K and V of one (sequence, head, position) side by side in memory ([B, H, S, 2, D], K and V strided
+    views of it), so a gathered position is one contiguous 2 * D row instead of two rows in separate tensors."""
+    if kv_pairs:
+        kv = torch.randn(batch, shape.heads_kv, length + 16, 2, shape.head_dim, device="cuda", dtype=dtype)
+        k_cache, v_cache = kv[:, :, :, 0], kv[:, :, :, 1]
+    else:
+        k_cache = torch.randn(batch, shape.heads_kv, length + 16, shape.head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
     seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, t, shape.heads_q, shape.head_dim, device="cuda", dtype=dtype)
     return q, k_cache, v_cache, seqlens
@@ -352,27 +359,32 @@ def sweep_srh(rows, batch=16, length=32768):
         torch.cuda.empty_cache()
 
 
-def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, rounds, batch=16, length=32768):
+def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, rounds, batch=16, length=32768,
+                          layouts=(False,)):
     """Launch variants on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the table times it, in
     `rounds` interleaved rounds: each round times every full-kernel config (4 calls per graph), then every sparse one
-    (8 (q, indices) sets x 4 passes per graph). sparse_configs: {T: [launch keywords]}."""
+    (8 (q, indices) sets x 4 passes per graph). sparse_configs: {T: [launch keywords]}; layouts: kv_pairs values
+    (make_problem), each timed in turn within a round."""
     shape = TARGETS["Qwen2.5-72B"]
     scale = 1 / math.sqrt(shape.head_dim)
     for t, configs in sparse_configs.items():
-        q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
+        problems = {pairs: make_problem(shape, batch, length, t, kv_pairs=pairs) for pairs in layouts}
+        q, _, _, seqlens = problems[layouts[0]]
         lse = torch.empty(q.shape[:3], device="cuda")
         qs = [torch.randn_like(q) for _ in range(SPARSE_ROTATION)]
         outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
-        for _ in range(rounds):
+        for _, (pairs, (_, k_cache, v_cache, _)) in itertools.product(range(rounds), problems.items()):
+            layout = {"kv_pairs": True} if pairs else {}
             for kw in full_configs:
                 call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, **kw)
-                timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", tokens=t, **kw)
+                timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", tokens=t, **layout, **kw)
             for kw in configs:
                 calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
                                  **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
-                timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", tokens=t, **kw)
-        del q, k_cache, v_cache
+                timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", tokens=t, **layout,
+                      **kw)
+        del q, problems
         torch.cuda.empty_cache()
 
 
@@ -404,7 +416,14 @@ def sweep_tail(generator, rows):
                                dict(tail_tile=True, new_separate=False)]}, rounds=3)
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail")
+def sweep_kv_pairs(generator, rows):
+    """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
+    position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
+    sweep_acceptance_case(generator, rows, "kvpairs", [dict()], {4: [dict()], 5: [dict(), dict(new_separate=True)]},
+                          rounds=3, layouts=(False, True))
+
+
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -424,6 +443,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_wide(generator, rows)
     if "tail" in parts:
         sweep_tail(generator, rows)
+    if "kvpairs" in parts:
+        sweep_kv_pairs(generator, rows)
     return rows
 
 
