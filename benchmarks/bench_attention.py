@@ -26,6 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
 from trtllm_dustin.plugins.pdl import pdl_enabled
@@ -416,6 +417,65 @@ def sweep_tail(generator, rows):
                                dict(tail_tile=True, new_separate=False)]}, rounds=3)
 
 
+@triton.jit
+def _gather_rows_kernel(k_ptr, v_ptr, idx_ptr, out_ptr, stride_kb, stride_kh, stride_ks, stride_ib, num_kv_heads,
+                        num_indices, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Read-only gather: the K and V rows of a (sequence, KV head) pair's index list, split over the grid's first axis
+    in BLOCK_N-row tiles, summed into one float per program (so nothing but the gathers moves bytes)."""
+    chunks = tl.num_programs(0)
+    pair = tl.program_id(1)
+    b = pair // num_kv_heads
+    kv_head = pair % num_kv_heads
+    per_chunk = tl.cdiv(tl.cdiv(num_indices, chunks), BLOCK_N) * BLOCK_N
+    start = tl.program_id(0) * per_chunk
+    end = tl.minimum(start + per_chunk, num_indices)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < end
+        pos = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n, mask=ok, other=0)
+        rows = base + pos[:, None] * stride_ks + offs_d[None, :]
+        acc += tl.load(k_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + pair * chunks + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0))
+
+
+def gather_rows(k_cache, v_cache, indices, out, chunks, block_n=64, num_warps=4, num_stages=3):
+    """The sparse kernel's K/V reads alone (same caches, same index lists), `chunks` programs per pair."""
+    batch, heads_kv = k_cache.shape[:2]
+    assert k_cache.stride() == v_cache.stride()
+    _gather_rows_kernel[(chunks, batch * heads_kv)](
+        k_cache, v_cache, indices, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), indices.stride(0),
+        heads_kv, indices.shape[1], HEAD_DIM=k_cache.shape[3], BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+def sweep_gather(generator, rows, batch=16, length=32768, k=512):
+    """Run 14: how fast the acceptance case's K/V rows can be gathered at all (no attention math), by programs per
+    pair and pipeline depth, beside the sparse kernel on the same lists (two interleaved rounds)."""
+    shape = TARGETS["Qwen2.5-72B"]
+    q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, 5)
+    index_sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
+    sums = torch.empty(batch * shape.heads_kv * 64, device="cuda")
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    nbytes = 2 * batch * shape.heads_kv * k * shape.head_dim * k_cache.element_size()
+    for _ in range(2):
+        calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, 1 / math.sqrt(128), out,
+                         lse) for ii in index_sets]
+        timed(rows, "gather", calls * SPARSE_PASSES, kind="gather_sparse_kernel", tokens=5)
+        for chunks, stages, n in ((1, 3, 64), (1, 2, 64), (1, 4, 64), (2, 3, 64), (4, 3, 64), (8, 3, 64), (8, 2, 64),
+                                  (1, 3, 32), (4, 3, 32), (16, 2, 32)):
+            calls = [partial(gather_rows, k_cache, v_cache, ii, sums, chunks, block_n=n, num_stages=stages)
+                     for ii in index_sets]
+            timed(rows, "gather", calls * SPARSE_PASSES, kind="gather", chunks=chunks, num_stages=stages, block_n=n)
+            if "ms" in rows[-1]:
+                rows[-1]["tbs"] = tbs(nbytes, rows[-1]["ms"])
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
@@ -423,7 +483,7 @@ def sweep_kv_pairs(generator, rows):
                           rounds=3, layouts=(False, True))
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -445,6 +505,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_tail(generator, rows)
     if "kvpairs" in parts:
         sweep_kv_pairs(generator, rows)
+    if "gather" in parts:
+        sweep_gather(generator, rows)
     return rows
 
 
