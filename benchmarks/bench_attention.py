@@ -476,6 +476,16 @@ def sweep_gather(generator, rows, batch=16, length=32768, k=512):
     torch.cuda.empty_cache()
 
 
+def sweep_resident_splits(generator, rows):
+    """Run 15: the read-only gather ran 12 us with 2 programs per pair against 17 us with one (run 14): key splits with
+    shared-memory footprints small enough for 2-4 programs per SM (the 64-row tile with 3 stages of 64-key K/V tiles
+    takes 112 KB, so earlier 2-split runs had one resident program per SM), merged in-kernel; two rounds."""
+    configs = [dict(), dict(num_splits=1, num_stages=2)] + [
+        dict(num_splits=splits, block_n=n, num_stages=stages)
+        for splits, n, stages in ((2, 64, 2), (2, 64, 3), (2, 32, 3), (2, 32, 4), (4, 32, 2), (4, 32, 3))]
+    sweep_acceptance_case(generator, rows, "splits", [dict()], {5: configs, 4: configs}, rounds=2)
+
+
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
@@ -483,7 +493,7 @@ def sweep_kv_pairs(generator, rows):
                           rounds=3, layouts=(False, True))
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -507,6 +517,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_kv_pairs(generator, rows)
     if "gather" in parts:
         sweep_gather(generator, rows)
+    if "splits" in parts:
+        sweep_resident_splits(generator, rows)
     return rows
 
 
