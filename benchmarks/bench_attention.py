@@ -452,7 +452,7 @@ def gather_rows(k_cache, v_cache, indices, out, chunks, block_n=64, num_warps=4,
         num_stages=num_stages)
 
 
-def sweep_gather(generator, rows, batch=16, length=32768, k=512):
+def sweep_gather(generator, rows, batch=16, length=32768, k=512, variants=None, rounds=2):
     """Run 14: how fast the acceptance case's K/V rows can be gathered at all (no attention math), by programs per
     pair and pipeline depth, beside the sparse kernel on the same lists (two interleaved rounds)."""
     shape = TARGETS["Qwen2.5-72B"]
@@ -461,15 +461,18 @@ def sweep_gather(generator, rows, batch=16, length=32768, k=512):
     sums = torch.empty(batch * shape.heads_kv * 64, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
     nbytes = 2 * batch * shape.heads_kv * k * shape.head_dim * k_cache.element_size()
-    for _ in range(2):
+    if variants is None:  # (chunks, num_stages, block_n, num_warps)
+        variants = [(1, 3, 64, 4), (1, 2, 64, 4), (1, 4, 64, 4), (2, 3, 64, 4), (4, 3, 64, 4), (8, 3, 64, 4),
+                    (8, 2, 64, 4), (1, 3, 32, 4), (4, 3, 32, 4), (16, 2, 32, 4)]
+    for _ in range(rounds):
         calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, 1 / math.sqrt(128), out,
                          lse) for ii in index_sets]
         timed(rows, "gather", calls * SPARSE_PASSES, kind="gather_sparse_kernel", tokens=5)
-        for chunks, stages, n in ((1, 3, 64), (1, 2, 64), (1, 4, 64), (2, 3, 64), (4, 3, 64), (8, 3, 64), (8, 2, 64),
-                                  (1, 3, 32), (4, 3, 32), (16, 2, 32)):
-            calls = [partial(gather_rows, k_cache, v_cache, ii, sums, chunks, block_n=n, num_stages=stages)
-                     for ii in index_sets]
-            timed(rows, "gather", calls * SPARSE_PASSES, kind="gather", chunks=chunks, num_stages=stages, block_n=n)
+        for chunks, stages, n, warps in variants:
+            calls = [partial(gather_rows, k_cache, v_cache, ii, sums, chunks, block_n=n, num_stages=stages,
+                             num_warps=warps) for ii in index_sets]
+            timed(rows, "gather", calls * SPARSE_PASSES, kind="gather", chunks=chunks, num_stages=stages, block_n=n,
+                  num_warps=warps)
             if "ms" in rows[-1]:
                 rows[-1]["tbs"] = tbs(nbytes, rows[-1]["ms"])
     del k_cache, v_cache
@@ -486,6 +489,16 @@ def sweep_resident_splits(generator, rows):
     sweep_acceptance_case(generator, rows, "splits", [dict()], {5: configs, 4: configs}, rounds=2)
 
 
+def sweep_warps(generator, rows):
+    """Run 16: one program per pair with more warps issuing the gathers (8 warps; 128-key tiles), and the read-only
+    gather with 8 warps at 1 and 2 programs per pair (is the single program's issue rate what limits it?)."""
+    configs = [dict(), dict(num_warps=8), dict(num_warps=8, block_n=128, num_stages=2), dict(block_n=128, num_stages=2),
+               dict(num_warps=8, num_stages=4)]
+    sweep_acceptance_case(generator, rows, "warps", [dict()], {5: configs, 4: configs}, rounds=2)
+    sweep_gather(generator, rows, variants=[(1, 3, 64, 4), (1, 3, 64, 8), (2, 3, 64, 4), (2, 3, 64, 8), (1, 3, 128, 8),
+                                            (1, 2, 128, 8)])
+
+
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
@@ -493,7 +506,7 @@ def sweep_kv_pairs(generator, rows):
                           rounds=3, layouts=(False, True))
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits", "warps")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -519,6 +532,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_gather(generator, rows)
     if "splits" in parts:
         sweep_resident_splits(generator, rows)
+    if "warps" in parts:
+        sweep_warps(generator, rows)
     return rows
 
 
