@@ -86,6 +86,32 @@ def _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scal
 
 
 @triton.jit
+def _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, LAZY_RESCALE: tl.constexpr, DOT_MODE: tl.constexpr):
+    """online_softmax_update on unscaled scores (masked to -inf): the scale is folded into the exponent (one fused
+    multiply-add per score). LAZY_RESCALE: keep the running max, and skip rescaling acc and l, unless some row's max
+    grew by more than 8 (log2 units), so p <= 256: exact in fp32 and in range for a 16-bit dot operand."""
+    m_tile = tl.max(raw, 1) * qk_scale_log2
+    if LAZY_RESCALE:
+        if tl.max(m_tile - m_i, 0) > 8.0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(raw * qk_scale_log2 - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = acc + tile_dot(p.to(v.dtype), v, DOT_MODE)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(raw * qk_scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_MODE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sparse_verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, indices_ptr, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -98,7 +124,8 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_TRIGGER: tl.constexpr = False, TAIL_M: tl.constexpr = 0,
+    GDC_TRIGGER: tl.constexpr = False, TAIL_M: tl.constexpr = 0, LEAN: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -155,9 +182,22 @@ def _sparse_verify_attention_kernel(
             idx = tl.load(idx_base + offs_n, mask=from_list, other=-1)
         pos = tl.where(from_list, idx, seqlen + new_token)
         col_ok = (offs_n < end) & (pos >= 0)
-        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2, DOT_MODE)
+        if LEAN:
+            # K and V rows at one offset (the launcher checks stride_vs == stride_ks). A clean tile (64 valid list
+            # items, no new token, not past the chunk) needs no mask at all; the others get the full one.
+            kv_off = pos[:, None] * stride_ks + offs_d[None, :]
+            k = tl.load(k_base + kv_off, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + kv_off, mask=col_ok[:, None], other=0.0)
+            raw = tile_dot(q, tl.trans(k), DOT_MODE)
+            if (n0 + BLOCK_N > tl.minimum(end, num_indices)) | (tl.min(idx, 0) < 0):
+                raw = tl.where(col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None])), raw,
+                               float("-inf"))
+            m_i, l_i, acc = _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, LAZY_RESCALE, DOT_MODE)
+        else:
+            k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            m_i, l_i, acc = _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2,
+                                    DOT_MODE)
         if TAIL_M > 0:
             m2, l2, acc2 = _attend(q2, k, v, t_row2, col_ok, from_list, new_token, m2, l2, acc2, qk_scale_log2,
                                    DOT_MODE)
@@ -185,7 +225,8 @@ def _sparse_verify_attention_kernel(
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    pdl_trigger=False, wide_tile=False, tail_tile=False):
+                                    pdl_trigger=False, wide_tile=False, tail_tile=False, lean=False,
+                                    lazy_rescale=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
@@ -246,6 +287,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
         BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger, TAIL_M=tail_m,
+        LEAN=lean and k_cache.stride(2) == v_cache.stride(2), LAZY_RESCALE=lazy_rescale,
         num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct and not fused:

@@ -204,6 +204,33 @@ def test_tail_tile_serves_rows_33_to_48(group, new_separate):
     torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("lazy_rescale", [False, True])
+@pytest.mark.parametrize("order, t, num_splits, spread", [("sorted", 5, 1, 1.0), ("scattered", 5, 1, 1.0),
+                                                          ("sorted", 1, 3, 1.0), ("shuffled", 4, 2, 1.0),
+                                                          ("sorted", 5, 1, 12.0), ("scattered", 3, 2, 12.0)])
+def test_lean_tiles_agree(lazy_rescale, order, t, num_splits, spread):
+    """lean: tiles of valid list items only take no mask, others the full one; lazy_rescale keeps the running max
+    until it grows by more than 8 (log2 units). With padding at the end (sorted, what selection gives) or mixed in
+    (scattered), one or several splits, and queries scaled by `spread` (large jumps of the running max, so lazy
+    rescaling both skips and rescales), output and log-sum-exp equal the reference and the default launch."""
+    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
+
+    torch.manual_seed(t * 7 + num_splits)
+    q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
+        600, t, 2, 4, 64, torch.float32, 250, order)  # 250 > 201: the third sequence pads
+    q = q * spread
+    lse_default = torch.empty(q.shape[:3], device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_default,
+                                    num_splits=1)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits,
+                                    block_n=16, lean=True, lazy_rescale=lazy_rescale)
+    assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
+    torch.testing.assert_close(lse, lse_default, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad, message", [("dtype", "int32"), ("rows", r"\[2, K\]")])
 def test_errors_name_the_problem(bad, message):
     q = torch.randn(2, 2, 8, 64)
