@@ -509,6 +509,17 @@ def sweep_lean(generator, rows):
                           {5: [dict(), lean, lazy, dict(lazy, new_separate=True)], 4: [dict(), lean, lazy]}, rounds=3)
 
 
+def sweep_lean_tiles(generator, rows):
+    """Run 18, three interleaved rounds: lean against the default with deeper pipelines and smaller key tiles, and at
+    T=4 a 64-row (wgmma) tile, where run 17's lean gain came from (T=5), instead of the 32-row mma.sync one."""
+    lean = dict(lean=True)
+    t5 = [dict(), lean, dict(lean, num_stages=4), dict(lean, block_n=32, num_stages=4), dict(lean, block_n=32,
+                                                                                             num_stages=6)]
+    t4 = [dict(), lean, dict(lean, block_m=64, wide_tile=True, new_separate=False),
+          dict(lean, block_m=64, wide_tile=True, new_separate=False, num_stages=4)]
+    sweep_acceptance_case(generator, rows, "leantiles", [dict()], {5: t5, 4: t4}, rounds=3)
+
+
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
@@ -516,7 +527,8 @@ def sweep_kv_pairs(generator, rows):
                           rounds=3, layouts=(False, True))
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits", "warps", "lean")
+SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits", "warps", "lean",
+               "leantiles")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -546,6 +558,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_warps(generator, rows)
     if "lean" in parts:
         sweep_lean(generator, rows)
+    if "leantiles" in parts:
+        sweep_lean_tiles(generator, rows)
     return rows
 
 
