@@ -361,12 +361,12 @@ def sweep_srh(rows, batch=16, length=32768):
 
 
 def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, rounds, batch=16, length=32768,
-                          layouts=(False,)):
+                          layouts=(False,), model="Qwen2.5-72B"):
     """Launch variants on the acceptance case (Qwen2.5-72B heads, B=16, 32K, k=512), timed as the table times it, in
     `rounds` interleaved rounds: each round times every full-kernel config (4 calls per graph), then every sparse one
     (8 (q, indices) sets x 4 passes per graph). sparse_configs: {T: [launch keywords]}; layouts: kv_pairs values
-    (make_problem), each timed in turn within a round."""
-    shape = TARGETS["Qwen2.5-72B"]
+    (make_problem), each timed in turn within a round; model: another target's heads."""
+    shape = TARGETS[model]
     scale = 1 / math.sqrt(shape.head_dim)
     for t, configs in sparse_configs.items():
         problems = {pairs: make_problem(shape, batch, length, t, kv_pairs=pairs) for pairs in layouts}
@@ -379,12 +379,12 @@ def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, 
             layout = {"kv_pairs": True} if pairs else {}
             for kw in full_configs:
                 call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, **kw)
-                timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", tokens=t, **layout, **kw)
+                timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", model=model, tokens=t, **layout, **kw)
             for kw in configs:
                 calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
                                  **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
-                timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", tokens=t, **layout,
-                      **kw)
+                timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", model=model, tokens=t,
+                      **layout, **kw)
         del q, problems
         torch.cuda.empty_cache()
 
@@ -520,6 +520,17 @@ def sweep_lean_tiles(generator, rows):
     sweep_acceptance_case(generator, rows, "leantiles", [dict()], {5: t5, 4: t4}, rounds=3)
 
 
+def sweep_lean_rows(generator, rows):
+    """Run 19, two interleaved rounds per target: with lean, the 64-row (wgmma) tile against the smallest tile that
+    holds the T * G rows (mma.sync, with new_separate at <= 32 rows), at Llama-3.1-8B (G=4), Qwen2.5-7B (G=7) and
+    Qwen2.5-72B (G=8) heads."""
+    lean = dict(lean=True)
+    wide = dict(lean, block_m=64, wide_tile=True, new_separate=False)
+    for model in ("Llama-3.1-8B", "Qwen2.5-7B", "Qwen2.5-72B"):
+        sweep_acceptance_case(generator, rows, "leanrows", [dict()], {4: [dict(), lean, wide], 5: [dict(), lean, wide]},
+                              rounds=2, model=model)
+
+
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
@@ -528,7 +539,7 @@ def sweep_kv_pairs(generator, rows):
 
 
 SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "tail", "kvpairs", "gather", "splits", "warps", "lean",
-               "leantiles")
+               "leantiles", "leanrows")
 
 
 def sweep(generator, parts=SWEEP_PARTS):
@@ -560,6 +571,8 @@ def sweep(generator, parts=SWEEP_PARTS):
         sweep_lean(generator, rows)
     if "leantiles" in parts:
         sweep_lean_tiles(generator, rows)
+    if "leanrows" in parts:
+        sweep_lean_rows(generator, rows)
     return rows
 
 
