@@ -62,6 +62,16 @@ MIN_KEYS_PER_SPLIT = 1024
 # gdc_launch_dependents after the walk) beat no PDL in all six pairs, 15.6 / 15.8 / 16.8 against 15.9 / 16.7 / 17.5 us
 # at T=4 and 16.3 / 16.8 / 16.7 against 16.7 / 19.0 / 18.1 at T=5: now the default. A 64-row tile at T=4 (wide_tile:
 # wgmma instead of the 32-row tile's mma.sync) took 16.1-16.2 us without new_separate and 18.1-18.2 with it.
+# Runs 12-19 (2026-11-30, attention_h200.sweep12-19.json). Not kept: T=5's 40 rows as a 32-row plus a 16-row tile on
+# one gather (25-28 us), K and V side by side per position (no change), resident key splits with smaller shared-memory
+# footprints (19-30 us), 8 warps or 128-key tiles (19-27 us). A read-only gather of the same rows (sweep 14) took 17 us
+# with one program per pair and 12 us with two, yet ncu (sweep 16's ncu run) showed this kernel issue-bound, not
+# DRAM-bound: one warp per scheduler issuing every 3 cycles, ~845 instructions per warp per 64-key tile, DRAM 34 % busy.
+# So `lean` cuts instructions: no mask on tiles of valid list items (~630 on that path), one K/V offset, the scale in
+# the exponent. With the 64-row wgmma tile it was 1.0-1.5 us faster at 72B heads (T=5: 15.1-15.8 against 16.0-18.6;
+# T=4 with a 64-row tile: 15.0-15.2 against 15.6-17.0 for the 32-row default) and at Qwen-7B heads; with mma.sync tiles
+# it was slower. Lazy rescaling (acc rescaled only when a row max grows by > 8) cost 0.6-1.3 us (a block-wide max per
+# tile). Defaults since run 19: a 64-row tile with lean above 16 query rows, the 16-row mma.sync tile below.
 
 
 @triton.jit
@@ -86,29 +96,15 @@ def _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scal
 
 
 @triton.jit
-def _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, LAZY_RESCALE: tl.constexpr, DOT_MODE: tl.constexpr):
-    """online_softmax_update on unscaled scores (masked to -inf): the scale is folded into the exponent (one fused
-    multiply-add per score). LAZY_RESCALE: keep the running max, and skip rescaling acc and l, unless some row's max
-    grew by more than 8 (log2 units), so p <= 256: exact in fp32 and in range for a 16-bit dot operand."""
-    m_tile = tl.max(raw, 1) * qk_scale_log2
-    if LAZY_RESCALE:
-        if tl.max(m_tile - m_i, 0) > 8.0:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(raw * qk_scale_log2 - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = acc + tile_dot(p.to(v.dtype), v, DOT_MODE)
-    else:
-        m_new = tl.maximum(m_i, m_tile)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(raw * qk_scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_MODE)
-        m_i = m_new
-    return m_i, l_i, acc
+def _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, DOT_MODE: tl.constexpr):
+    """online_softmax_update on unscaled scores (masked to -inf): the scale is folded into the exponent, one fused
+    multiply-add per score instead of a multiply and a subtract."""
+    m_new = tl.maximum(m_i, tl.max(raw, 1) * qk_scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(raw * qk_scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_MODE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -124,8 +120,7 @@ def _sparse_verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_TRIGGER: tl.constexpr = False, TAIL_M: tl.constexpr = 0, LEAN: tl.constexpr = False,
-    LAZY_RESCALE: tl.constexpr = False,
+    GDC_TRIGGER: tl.constexpr = False, LEAN: tl.constexpr = False,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -139,12 +134,6 @@ def _sparse_verify_attention_kernel(
     idx_base = indices_ptr + b.to(tl.int64) * stride_ib
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     q, t_row, head, row_ok = _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs_d, T, GROUP)
-    if TAIL_M > 0:  # rows BLOCK_M .. BLOCK_M + TAIL_M - 1 in a second, smaller tile on the same gathered K/V
-        q2, t_row2, head2, row_ok2 = _query_rows(q_ptr, BLOCK_M + tl.arange(0, TAIL_M), b, kv_head, stride_qb,
-                                                 stride_qt, stride_qh, offs_d, T, GROUP)
-        m2 = tl.full([TAIL_M], NEG_BIG, dtype=tl.float32)
-        l2 = tl.zeros([TAIL_M], dtype=tl.float32)
-        acc2 = tl.zeros([TAIL_M, HEAD_DIM], dtype=tl.float32)
     seqlen = tl.load(seqlens_ptr + b)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -192,30 +181,19 @@ def _sparse_verify_attention_kernel(
             if (n0 + BLOCK_N > tl.minimum(end, num_indices)) | (tl.min(idx, 0) < 0):
                 raw = tl.where(col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None])), raw,
                                float("-inf"))
-            m_i, l_i, acc = _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, LAZY_RESCALE, DOT_MODE)
+            m_i, l_i, acc = _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, DOT_MODE)
         else:
             k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             m_i, l_i, acc = _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2,
                                     DOT_MODE)
-        if TAIL_M > 0:
-            m2, l2, acc2 = _attend(q2, k, v, t_row2, col_ok, from_list, new_token, m2, l2, acc2, qk_scale_log2,
-                                   DOT_MODE)
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
-        not_listed = offs_j < 0
-        m_i, l_i, acc = _attend(q, k_new, v_new, t_row, new_ok, not_listed, offs_j, m_i, l_i, acc, qk_scale_log2,
+        m_i, l_i, acc = _attend(q, k_new, v_new, t_row, new_ok, offs_j < 0, offs_j, m_i, l_i, acc, qk_scale_log2,
                                 DOT_MODE)
-        if TAIL_M > 0:
-            m2, l2, acc2 = _attend(q2, k_new, v_new, t_row2, new_ok, not_listed, offs_j, m2, l2, acc2, qk_scale_log2,
-                                   DOT_MODE)
     gdc_launch_if(USE_GDC and GDC_TRIGGER)  # only the stores are left: the next PDL launch may be scheduled
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
-    if TAIL_M > 0:  # the launcher gives a tail tile to one-split launches only (no merge of its rows)
-        store_split_result(acc2, m2, l2, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row2, head2, row_ok2,
-                           offs_d, split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM,
-                           DIRECT_OUTPUT)
     if FUSED_COMBINE:  # the last program of this (pair, row block) to finish merges the splits: no second launch
         merge_if_last(counters_ptr + pair * ROW_BLOCKS + row_block, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b,
                       t_row, head, row_ok, offs_d, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh,
@@ -223,10 +201,9 @@ def _sparse_verify_attention_kernel(
 
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
-                                    num_splits=None, block_m=64, block_n=64, num_warps=4, num_stages=3,
+                                    num_splits=None, block_m=None, block_n=64, num_warps=4, num_stages=3,
                                     prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    pdl_trigger=False, wide_tile=False, tail_tile=False, lean=False,
-                                    lazy_rescale=False):
+                                    pdl_trigger=False, wide_tile=False, lean=None):
     """Launch the sparse verify attention kernel (inputs already validated).
 
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
@@ -234,9 +211,10 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
     previous kernel has completed. pdl_trigger: also signal the next launch once the walk is done (the other kernels'
     way); off here: with it the kernel measured slower than without PDL (H200 run 9), without it faster (run 11).
-    wide_tile (sweeps): keep block_m even when it exceeds the T * G rows (a 64-row tile takes Hopper's wgmma).
-    tail_tile: serve T * G rows in 33..48 (T = 5 at GQA 8 or 7) as a 32-row and a 16-row tile on the same gathered
-    K/V (both mma.sync on Hopper) instead of one 64-row tile; one-split launches only (else ignored).
+    block_m: query rows per program (None: 64 when T * G > 16, else 16; H200 run 19); an explicit value is cut to the
+    smallest power of two >= T * G unless wide_tile (a 64-row tile takes Hopper's wgmma, smaller ones mma.sync).
+    lean (None: with 64-row tiles): tiles of valid list items only skip the mask, K and V rows share one offset
+    (needs equal position strides, else off), the softmax scale goes into the exponent (H200 runs 17-19).
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -259,13 +237,18 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     group = heads_q // heads_kv
     if num_splits is None:
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
-    block_m = max(16, block_m) if wide_tile else min(max(16, block_m), max(16, triton.next_power_of_2(t * group)))
-    tail_m = 16 if tail_tile and num_splits == 1 and 32 < t * group <= 48 else 0
-    if tail_m:
-        block_m = 32
-    row_blocks = 1 if tail_m else triton.cdiv(t * group, block_m)
+    rows = t * group
+    if block_m is None:
+        block_m = 64 if rows > 16 else 16
+    elif not wide_tile:
+        block_m = min(max(16, block_m), max(16, triton.next_power_of_2(rows)))
+    block_m = max(16, block_m)
+    row_blocks = triton.cdiv(rows, block_m)
     if new_separate is None:  # H200 (B=16, 32K, 72B heads, k=512): T=4 (block_m 32) 16.4 / 16.5 us against 17.2 /
         new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
+    if lean is None:
+        lean = block_m >= 64
+    lean = lean and k_cache.stride(2) == v_cache.stride(2)
     direct = num_splits == 1
     fused = fused_combine and not direct
     use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
@@ -286,8 +269,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
         FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger, TAIL_M=tail_m,
-        LEAN=lean and k_cache.stride(2) == v_cache.stride(2), LAZY_RESCALE=lazy_rescale,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger, LEAN=lean,
         num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct and not fused:

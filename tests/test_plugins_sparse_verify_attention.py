@@ -184,51 +184,30 @@ def test_wide_tile_masks_the_rows_past_t_times_g(new_separate):
 
 
 @needs_kernel
-@pytest.mark.parametrize("group, new_separate", [(8, False), (8, True), (7, True), (7, False)])
-def test_tail_tile_serves_rows_33_to_48(group, new_separate):
-    """tail_tile: T = 5 at GQA 8 / 7 (40 / 35 rows) as a 32-row and a 16-row tile on the same gathered K/V equals the
-    reference and the one-tile launch (output and log-sum-exp); no padding or unselected row is read (NaN there)."""
-    from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
-
-    torch.manual_seed(group * 3 + new_separate)
-    q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
-        500, 5, 2, group, 64, torch.float32, 150, "scattered")
-    lse_one = torch.empty(q.shape[:3], device=DEVICE)
-    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_one,
-                                    num_splits=1)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
-    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=1,
-                                    new_separate=new_separate, tail_tile=True)
-    assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
-    torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)
-
-
-@needs_kernel
-@pytest.mark.parametrize("lazy_rescale", [False, True])
+@pytest.mark.parametrize("new_separate", [False, True])
 @pytest.mark.parametrize("order, t, num_splits, spread", [("sorted", 5, 1, 1.0), ("scattered", 5, 1, 1.0),
                                                           ("sorted", 1, 3, 1.0), ("shuffled", 4, 2, 1.0),
                                                           ("sorted", 5, 1, 12.0), ("scattered", 3, 2, 12.0)])
-def test_lean_tiles_agree(lazy_rescale, order, t, num_splits, spread):
-    """lean: tiles of valid list items only take no mask, others the full one; lazy_rescale keeps the running max
-    until it grows by more than 8 (log2 units). With padding at the end (sorted, what selection gives) or mixed in
-    (scattered), one or several splits, and queries scaled by `spread` (large jumps of the running max, so lazy
-    rescaling both skips and rescales), output and log-sum-exp equal the reference and the default launch."""
+def test_lean_tiles_agree(new_separate, order, t, num_splits, spread):
+    """lean: tiles of valid list items only take no mask, the others the full one, the scale sits in the exponent.
+    With padding at the end (sorted, what selection gives) or mixed in (scattered), one or several splits, the new
+    tokens in the walk or folded in after it, and queries scaled by `spread` (large jumps of the running max), output
+    and log-sum-exp equal the reference and the launch without lean."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
 
     torch.manual_seed(t * 7 + num_splits)
     q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
         600, t, 2, 4, 64, torch.float32, 250, order)  # 250 > 201: the third sequence pads
     q = q * spread
-    lse_default = torch.empty(q.shape[:3], device=DEVICE)
-    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_default,
-                                    num_splits=1)
+    lse_plain = torch.empty(q.shape[:3], device=DEVICE)
+    sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, torch.empty_like(q), lse_plain,
+                                    num_splits=1, lean=False)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
     sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=num_splits,
-                                    block_n=16, lean=True, lazy_rescale=lazy_rescale)
+                                    block_n=16, lean=True, new_separate=new_separate)
     assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
-    torch.testing.assert_close(lse, lse_default, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lse, lse_plain, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad, message", [("dtype", "int32"), ("rows", r"\[2, K\]")])
