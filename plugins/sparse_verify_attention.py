@@ -65,8 +65,9 @@ MIN_KEYS_PER_SPLIT = 1024
 # Runs 12-19 (2026-11-30, attention_h200.sweep12-19.json). Not kept: T=5's 40 rows as a 32-row plus a 16-row tile on
 # one gather (25-28 us), K and V side by side per position (no change), resident key splits with smaller shared-memory
 # footprints (19-30 us), 8 warps or 128-key tiles (19-27 us). A read-only gather of the same rows (sweep 14) took 17 us
-# with one program per pair and 12 us with two, yet ncu (sweep 16's ncu run) showed this kernel issue-bound, not
-# DRAM-bound: one warp per scheduler issuing every 3 cycles, ~845 instructions per warp per 64-key tile, DRAM 34 % busy.
+# with one program per pair and 12 us with two, yet ncu showed this kernel issue-bound, not
+# DRAM-bound (attention_h200.ncu_sparse.txt): one warp per scheduler issuing every 3 cycles, ~845 instructions per warp
+# per 64-key tile (SASS of the loop), DRAM 34 % busy.
 # So `lean` cuts instructions: no mask on tiles of valid list items (~630 on that path), one K/V offset, the scale in
 # the exponent. With the 64-row wgmma tile it was 1.0-1.5 us faster at 72B heads (T=5: 15.1-15.8 against 16.0-18.6;
 # T=4 with a 64-row tile: 15.0-15.2 against 15.6-17.0 for the 32-row default) and at Qwen-7B heads; with mma.sync tiles
