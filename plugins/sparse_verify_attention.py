@@ -65,14 +65,14 @@ MIN_KEYS_PER_SPLIT = 1024
 # Runs 12-19 (2026-11-30, attention_h200.sweep12-19.json). Not kept: T=5's 40 rows as a 32-row plus a 16-row tile on
 # one gather (25-28 us), K and V side by side per position (no change), resident key splits with smaller shared-memory
 # footprints (19-30 us), 8 warps or 128-key tiles (19-27 us). A read-only gather of the same rows (sweep 14) took 17 us
-# with one program per pair and 12 us with two, yet ncu showed this kernel issue-bound, not
-# DRAM-bound (attention_h200.ncu_sparse.txt): one warp per scheduler issuing every 3 cycles, ~845 instructions per warp
-# per 64-key tile (SASS of the loop), DRAM 34 % busy.
-# So `lean` cuts instructions: no mask on tiles of valid list items (~630 on that path), one K/V offset, the scale in
-# the exponent. With the 64-row wgmma tile it was 1.0-1.5 us faster at 72B heads (T=5: 15.1-15.8 against 16.0-18.6;
-# T=4 with a 64-row tile: 15.0-15.2 against 15.6-17.0 for the 32-row default) and at Qwen-7B heads; with mma.sync tiles
-# it was slower. Lazy rescaling (acc rescaled only when a row max grows by > 8) cost 0.6-1.3 us (a block-wide max per
-# tile). Defaults since run 19: a 64-row tile with lean above 16 query rows, the 16-row mma.sync tile below.
+# with one program per pair and 12 us with two, yet ncu showed this kernel issue-bound, not DRAM-bound
+# (attention_h200.ncu_sparse.txt): one warp per scheduler issuing every 3 cycles, ~845 instructions per warp per 64-key
+# tile (SASS of the loop), DRAM 34 % busy. So `lean` cuts instructions: no mask on tiles of valid list items (~630
+# instructions on that path), one K/V offset, the scale in the exponent. With the 64-row wgmma tile it was 1.0-1.5 us
+# faster at 72B heads (T=5: 15.1-15.8 against 16.0-18.6; T=4 with a 64-row tile: 15.0-15.2 against 15.6-17.0 for the
+# 32-row default) and at Qwen-7B heads; with mma.sync tiles it was slower. Lazy rescaling (acc rescaled only when a
+# row max grows by > 8) cost 0.6-1.3 us (a block-wide max per tile). Defaults since run 19: a 64-row tile with lean
+# above 16 query rows, the 16-row mma.sync tile below.
 
 
 @triton.jit
@@ -88,11 +88,16 @@ def _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs
 
 
 @triton.jit
+def _visible(col_ok, from_list, new_token, t_row):
+    """[M, N] mask: a valid list item is visible to every row, new token j to the rows of query tokens t >= j."""
+    return col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
+
+
+@triton.jit
 def _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2, DOT_MODE: tl.constexpr):
-    """One key tile for one row tile: list items are visible to every row, new token j to query tokens t >= j."""
+    """One key tile for one row tile, masked by _visible."""
     scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
-    visible = col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None]))
-    scores = tl.where(visible, scores, float("-inf"))
+    scores = tl.where(_visible(col_ok, from_list, new_token, t_row), scores, float("-inf"))
     return online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
 
 
@@ -180,8 +185,7 @@ def _sparse_verify_attention_kernel(
             v = tl.load(v_base + kv_off, mask=col_ok[:, None], other=0.0)
             raw = tile_dot(q, tl.trans(k), DOT_MODE)
             if (n0 + BLOCK_N > tl.minimum(end, num_indices)) | (tl.min(idx, 0) < 0):
-                raw = tl.where(col_ok[None, :] & (from_list[None, :] | (new_token[None, :] <= t_row[:, None])), raw,
-                               float("-inf"))
+                raw = tl.where(_visible(col_ok, from_list, new_token, t_row), raw, float("-inf"))
             m_i, l_i, acc = _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, DOT_MODE)
         else:
             k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
