@@ -409,6 +409,11 @@ def sweep_wide(generator, rows):
     sweep_acceptance_case(generator, rows, "wide", [dict()], {4: base + wide, 5: base}, rounds=3)
 
 
+# The sparse launcher's defaults before run 19 (block_m 64 cut to the smallest tile of T * G rows, no lean), which runs
+# 12-19 compared against (dict() in their configs meant these then).
+SPARSE_DEFAULT_BEFORE_RUN_19 = dict(block_m=64, lean=False)
+
+
 @triton.jit
 def _gather_rows_kernel(k_ptr, v_ptr, idx_ptr, out_ptr, stride_kb, stride_kh, stride_ks, stride_ib, num_kv_heads,
                         num_indices, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -437,7 +442,8 @@ def _gather_rows_kernel(k_ptr, v_ptr, idx_ptr, out_ptr, stride_kb, stride_kh, st
 def gather_rows(k_cache, v_cache, indices, out, chunks, block_n=64, num_warps=4, num_stages=3):
     """The sparse kernel's K/V reads alone (same caches, same index lists), `chunks` programs per pair."""
     batch, heads_kv = k_cache.shape[:2]
-    assert k_cache.stride() == v_cache.stride()
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"gather_rows: K strides {k_cache.stride()} differ from V strides {v_cache.stride()}")
     _gather_rows_kernel[(chunks, batch * heads_kv)](
         k_cache, v_cache, indices, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), indices.stride(0),
         heads_kv, indices.shape[1], HEAD_DIM=k_cache.shape[3], BLOCK_N=block_n, num_warps=num_warps,
@@ -458,7 +464,7 @@ def sweep_gather(generator, rows, batch=16, length=32768, k=512, variants=None, 
                     (8, 2, 64, 4), (1, 3, 32, 4), (4, 3, 32, 4), (16, 2, 32, 4)]
     for _ in range(rounds):
         calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, 1 / math.sqrt(128), out,
-                         lse) for ii in index_sets]
+                         lse, **SPARSE_DEFAULT_BEFORE_RUN_19) for ii in index_sets]
         timed(rows, "gather", calls * SPARSE_PASSES, kind="gather_sparse_kernel", tokens=5)
         for chunks, stages, n, warps in variants:
             calls = [partial(gather_rows, k_cache, v_cache, ii, sums, chunks, block_n=n, num_stages=stages,
@@ -475,8 +481,9 @@ def sweep_resident_splits(generator, rows):
     """Run 15: the read-only gather ran 12 us with 2 programs per pair against 17 us with one (run 14): key splits with
     shared-memory footprints small enough for 2-4 programs per SM (the 64-row tile with 3 stages of 64-key K/V tiles
     takes 112 KB, so earlier 2-split runs had one resident program per SM), merged in-kernel; two rounds."""
-    configs = [dict(), dict(num_splits=1, num_stages=2)] + [
-        dict(num_splits=splits, block_n=n, num_stages=stages)
+    old = SPARSE_DEFAULT_BEFORE_RUN_19
+    configs = [old, dict(old, num_splits=1, num_stages=2)] + [
+        dict(old, num_splits=splits, block_n=n, num_stages=stages)
         for splits, n, stages in ((2, 64, 2), (2, 64, 3), (2, 32, 3), (2, 32, 4), (4, 32, 2), (4, 32, 3))]
     sweep_acceptance_case(generator, rows, "splits", [dict()], {5: configs, 4: configs}, rounds=2)
 
@@ -484,16 +491,12 @@ def sweep_resident_splits(generator, rows):
 def sweep_warps(generator, rows):
     """Run 16: one program per pair with more warps issuing the gathers (8 warps; 128-key tiles), and the read-only
     gather with 8 warps at 1 and 2 programs per pair (is the single program's issue rate what limits it?)."""
-    configs = [dict(), dict(num_warps=8), dict(num_warps=8, block_n=128, num_stages=2), dict(block_n=128, num_stages=2),
-               dict(num_warps=8, num_stages=4)]
+    old = SPARSE_DEFAULT_BEFORE_RUN_19
+    configs = [old] + [dict(old, **kw) for kw in (dict(num_warps=8), dict(num_warps=8, block_n=128, num_stages=2),
+                                                  dict(block_n=128, num_stages=2), dict(num_warps=8, num_stages=4))]
     sweep_acceptance_case(generator, rows, "warps", [dict()], {5: configs, 4: configs}, rounds=2)
     sweep_gather(generator, rows, variants=[(1, 3, 64, 4), (1, 3, 64, 8), (2, 3, 64, 4), (2, 3, 64, 8), (1, 3, 128, 8),
                                             (1, 2, 128, 8)])
-
-
-# The sparse launcher's defaults before run 19 (block_m 64 cut to the smallest tile of T * G rows, no lean), for the
-# sweeps that compared against them.
-SPARSE_DEFAULT_BEFORE_RUN_19 = dict(block_m=64, lean=False)
 
 
 def sweep_lean(generator, rows):
@@ -534,43 +537,35 @@ def sweep_lean_rows(generator, rows):
 def sweep_kv_pairs(generator, rows):
     """Run 13, three interleaved rounds at T=4 and T=5: the separate K and V caches against K and V side by side per
     position (one 512-byte row per gathered position for the sparse kernel; the full kernel reads the same bytes)."""
-    sweep_acceptance_case(generator, rows, "kvpairs", [dict()], {4: [dict()], 5: [dict(), dict(new_separate=True)]},
+    old = SPARSE_DEFAULT_BEFORE_RUN_19
+    sweep_acceptance_case(generator, rows, "kvpairs", [dict()], {4: [old], 5: [old, dict(old, new_separate=True)]},
                           rounds=3, layouts=(False, True))
 
 
-SWEEP_PARTS = ("sparse", "full", "srh", "draft", "pdl", "wide", "kvpairs", "gather", "splits", "warps", "lean",
-               "leantiles", "leanrows")
+SWEEPS = {  # --sweep-parts name -> grid(generator, rows)
+    "sparse": sweep_sparse,
+    "full": lambda generator, rows: sweep_full_splits(rows),
+    "srh": lambda generator, rows: sweep_srh(rows),
+    "draft": lambda generator, rows: sweep_draft_decode(rows),
+    "pdl": sweep_pdl,
+    "wide": sweep_wide,
+    "kvpairs": sweep_kv_pairs,
+    "gather": sweep_gather,
+    "splits": sweep_resident_splits,
+    "warps": sweep_warps,
+    "lean": sweep_lean,
+    "leantiles": sweep_lean_tiles,
+    "leanrows": sweep_lean_rows,
+}
+SWEEP_PARTS = tuple(SWEEPS)
 
 
 def sweep(generator, parts=SWEEP_PARTS):
-    """Launch-parameter grids on the acceptance shapes (kept in the results for the record)."""
+    """Launch-parameter grids on the acceptance shapes (kept in the results for the record), in SWEEPS order."""
     rows = []
-    if "sparse" in parts:
-        sweep_sparse(generator, rows)
-    if "full" in parts:
-        sweep_full_splits(rows)
-    if "srh" in parts:
-        sweep_srh(rows)
-    if "draft" in parts:
-        sweep_draft_decode(rows)
-    if "pdl" in parts:
-        sweep_pdl(generator, rows)
-    if "wide" in parts:
-        sweep_wide(generator, rows)
-    if "kvpairs" in parts:
-        sweep_kv_pairs(generator, rows)
-    if "gather" in parts:
-        sweep_gather(generator, rows)
-    if "splits" in parts:
-        sweep_resident_splits(generator, rows)
-    if "warps" in parts:
-        sweep_warps(generator, rows)
-    if "lean" in parts:
-        sweep_lean(generator, rows)
-    if "leantiles" in parts:
-        sweep_lean_tiles(generator, rows)
-    if "leanrows" in parts:
-        sweep_lean_rows(generator, rows)
+    for name, grid in SWEEPS.items():
+        if name in parts:
+            grid(generator, rows)
     return rows
 
 
