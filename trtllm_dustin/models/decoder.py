@@ -67,26 +67,27 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, Hq, D), cos, sin)  # [B, T, H_q, D]
         k = apply_rope(k.view(B, T, Hkv, D), cos, sin)  # [B, T, H_kv, D]
         cache.write(layer_index, k, v.view(B, T, Hkv, D), positions)
+        return self._attend_project(q, layer_index, cache, meta, backend, capture)
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                      capture: QueryCapture | None) -> torch.Tensor:
+        """`forward` with the rotary embedding and the cache write in one kernel."""
+        k_cache, v_cache = cache.layer(layer_index)
+        q = rope_qkv_to_cache(self.wqkv(x), cos, sin, k_cache, v_cache, positions, self.num_heads,
+                              self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
+        return self._attend_project(q, layer_index, cache, meta, backend, capture)
+
+    def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
+                        backend: AttentionBackend, capture: QueryCapture | None) -> torch.Tensor:
+        """Both forwards' tail, once this step's K/V are in the cache: capture q, attend, output projection."""
+        B, T, Hq, D = q.shape
         if capture is not None and layer_index in capture.queries:
             buffer = capture.queries[layer_index]  # keeps the queries of the last buffer.shape[1] tokens
             buffer.copy_(q[:, T - buffer.shape[1]:])
         k_cache, v_cache = cache.layer(layer_index)
         out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
         return self.wo(out.reshape(B, T, Hq * D))
-
-    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                      layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
-                      capture: QueryCapture | None) -> torch.Tensor:
-        """`forward` with the rotary embedding and the cache write in one kernel."""
-        B, T, _ = x.shape
-        k_cache, v_cache = cache.layer(layer_index)
-        q = rope_qkv_to_cache(self.wqkv(x), cos, sin, k_cache, v_cache, positions, self.num_heads,
-                              self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
-        if capture is not None and layer_index in capture.queries:
-            buffer = capture.queries[layer_index]
-            buffer.copy_(q[:, T - buffer.shape[1]:])
-        out = backend.attend(q, k_cache, v_cache, meta)
-        return self.wo(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -157,8 +158,7 @@ class Transformer(nn.Module):
             h = h + block.feed_forward(block.ffn_norm(h))
         if logit_index is not None:
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
-        logits = self.full_vocab(F.linear(self.norm(h), self.output_weight()).float())
-        return logits[:, 0] if logit_index is not None else logits
+        return self._logits(self.norm(h), logit_index)
 
     def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
         """`forward`'s layers with each residual add folded into the next RMSNorm (fused_elementwise)."""
@@ -173,7 +173,12 @@ class Transformer(nn.Module):
             x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
         else:
             x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps)
-        logits = self.full_vocab(F.linear(x, self.output_weight()).float())
+        return self._logits(x, logit_index)
+
+    def _logits(self, normed: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+        """Final-normed hidden states [B, T or 1, hidden] -> fp32 logits over the whole vocabulary ([B, V] when
+        logit_index picked one row per sequence)."""
+        logits = self.full_vocab(F.linear(normed, self.output_weight()).float())
         return logits[:, 0] if logit_index is not None else logits
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
