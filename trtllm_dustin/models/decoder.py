@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,14 @@ from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
 from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
+from trtllm_dustin.plugins.skinny_linear import skinny_linear
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
+
+
+def _skinny(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py)."""
+    return skinny_linear(x, layer.weight, layer.bias)
 
 
 class RMSNorm(nn.Module):
@@ -67,19 +74,19 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, Hq, D), cos, sin)  # [B, T, H_q, D]
         k = apply_rope(k.view(B, T, Hkv, D), cos, sin)  # [B, T, H_kv, D]
         cache.write(layer_index, k, v.view(B, T, Hkv, D), positions)
-        return self._attend_project(q, layer_index, cache, meta, backend, capture)
+        return self._attend_project(q, layer_index, cache, meta, backend, capture, self.wo)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
                       capture: QueryCapture | None) -> torch.Tensor:
         """`forward` with the rotary embedding and the cache write in one kernel."""
         k_cache, v_cache = cache.layer(layer_index)
-        q = rope_qkv_to_cache(self.wqkv(x), cos, sin, k_cache, v_cache, positions, self.num_heads,
+        q = rope_qkv_to_cache(_skinny(self.wqkv, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
                               self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
-        return self._attend_project(q, layer_index, cache, meta, backend, capture)
+        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
-                        backend: AttentionBackend, capture: QueryCapture | None) -> torch.Tensor:
+                        backend: AttentionBackend, capture: QueryCapture | None, project) -> torch.Tensor:
         """Both forwards' tail, once this step's K/V are in the cache: capture q, attend, output projection."""
         B, T, Hq, D = q.shape
         if capture is not None and layer_index in capture.queries:
@@ -87,7 +94,7 @@ class Attention(nn.Module):
             buffer.copy_(q[:, T - buffer.shape[1]:])
         k_cache, v_cache = cache.layer(layer_index)
         out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
-        return self.wo(out.reshape(B, T, Hq * D))
+        return project(out.reshape(B, T, Hq * D))
 
 
 class FeedForward(nn.Module):
@@ -102,7 +109,7 @@ class FeedForward(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(silu_mul(self.w_gate_up(x)))
+        return _skinny(self.w_down, silu_mul(_skinny(self.w_gate_up, x)))
 
 
 class Block(nn.Module):
@@ -158,7 +165,7 @@ class Transformer(nn.Module):
             h = h + block.feed_forward(block.ffn_norm(h))
         if logit_index is not None:
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
-        return self._logits(self.norm(h), logit_index)
+        return self._logits(F.linear(self.norm(h), self.output_weight()), logit_index)
 
     def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
         """`forward`'s layers with each residual add folded into the next RMSNorm (fused_elementwise)."""
@@ -173,12 +180,12 @@ class Transformer(nn.Module):
             x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
         else:
             x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps)
-        return self._logits(x, logit_index)
+        return self._logits(skinny_linear(x, self.output_weight()), logit_index)
 
-    def _logits(self, normed: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
-        """Final-normed hidden states [B, T or 1, hidden] -> fp32 logits over the whole vocabulary ([B, V] when
-        logit_index picked one row per sequence)."""
-        logits = self.full_vocab(F.linear(normed, self.output_weight()).float())
+    def _logits(self, head_out: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+        """The output head's rows [B, T or 1, R] -> fp32 logits over the whole vocabulary ([B, V] when logit_index
+        picked one row per sequence)."""
+        logits = self.full_vocab(head_out.float())
         return logits[:, 0] if logit_index is not None else logits
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:

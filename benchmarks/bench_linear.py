@@ -1,0 +1,186 @@
+"""Skinny-M projections of the e2e shapes: cuBLAS (F.linear) against the Triton skinny_linear kernel.
+
+    python benchmarks/bench_linear.py [--pair llama-8b] [--out benchmarks/results/linear_h200.json]
+
+For each projection of the pair's target (verify: M = B * (Γ + 1) rows) and draft (M = B and 2B rows), every
+candidate launch configuration is timed against F.linear in the same process. Timing: a CUDA graph of 24 calls
+that cycle over enough weight copies to exceed the L2 twice (in a decode step each layer reads its own weights),
+replays timed one by one with CUDA events, median per call. Bandwidth: weight + activation bytes / time against
+the 4.26 TB/s device copy ceiling. The candidates are compiled first in parallel worker processes (Triton's disk
+cache), so the sweep itself only times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import COPY_BANDWIDTH, RESULTS, environment, save_json  # noqa: E402
+
+from trtllm_dustin.models.presets import get_preset  # noqa: E402
+from trtllm_dustin.plugins.skinny_linear import LinearConfig, SplitKWorkspace, skinny_linear_forward  # noqa: E402
+
+L2_BYTES = 60 << 20
+CALLS_PER_GRAPH = 24
+PAIRS = {"llama-8b": ("llama-3.1-8b", "llama-3.2-1b", 16, 3), "qwen-7b": ("qwen2.5-7b", "qwen2.5-0.5b", 16, 3)}
+
+
+def projections(pair: str) -> list[dict]:
+    """(name, M, N, K, bias) of every projection a round of the pair runs."""
+    target_name, draft_name, batch, gamma = PAIRS[pair]
+    shapes = []
+    roles = (("target", target_name, (batch * (gamma + 1),)), ("draft", draft_name, (batch, 2 * batch)))
+    for role, name, rows in roles:
+        c = get_preset(name)
+        qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        mats = {"qkv": (qkv, c.hidden_size, c.qkv_bias), "o": (c.hidden_size, c.num_heads * c.head_dim, False),
+                "gate_up": (2 * c.intermediate_size, c.hidden_size, False),
+                "down": (c.hidden_size, c.intermediate_size, False),
+                "lm_head": (c.vocab_size, c.hidden_size, False)}
+        for m in rows:
+            for mat, (n, k, bias) in mats.items():
+                if mat == "lm_head" and role == "draft" and m != batch:
+                    continue  # the draft's head runs on one row per sequence
+                shapes.append({"name": f"{role}.{mat}", "M": m, "N": n, "K": k, "bias": bias})
+    return shapes
+
+
+def candidates(m: int, n: int, k: int) -> list[LinearConfig]:
+    block_m = max(16, 1 << (m - 1).bit_length())
+    out = []
+    for bn, bk, stages, swap in itertools.product((32, 64, 128, 256), (64, 128, 256), (3, 4, 6), (True, False)):
+        if (bn + block_m) * bk * 2 * stages > 200 * 1024 or (not swap and block_m < 64 and bn < 64):
+            continue
+        tiles = -(-n // bn)
+        for split in (1, 2, 3, 4, 6, 8):
+            if k // (split * bk) < 2 or tiles * split > 132 * 16 or (split > 1 and tiles * split < 132):
+                continue
+            out.append(LinearConfig(block_n=bn, block_k=bk, split_k=split, swap=swap,
+                                    num_warps=8 if bn * block_m >= 256 * 32 else 4, num_stages=stages))
+    return out
+
+
+def _compile(job: tuple[dict, list[LinearConfig]]) -> list[str]:
+    """Worker: run each config once on the shape (fills Triton's disk cache); returns the configs that failed."""
+    shape, configs = job
+    dev = torch.device("cuda")
+    x = torch.randn(shape["M"], shape["K"], dtype=torch.bfloat16, device=dev)
+    w = torch.randn(shape["N"], shape["K"], dtype=torch.bfloat16, device=dev)
+    b = torch.randn(shape["N"], dtype=torch.bfloat16, device=dev) if shape["bias"] else None
+    failed = []
+    for cfg in configs:
+        try:
+            skinny_linear_forward(x, w, b, cfg)
+        except Exception as error:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            failed.append(f"{cfg}: {type(error).__name__}: {str(error)[:120]}")
+    torch.cuda.synchronize()
+    return failed
+
+
+def graph_ms(calls, replays: int = 12) -> float:
+    """Median milliseconds per call of a CUDA graph that runs the callables in `calls` in order."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> dict:
+    dev = torch.device("cuda")
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    wbytes = N * K * 2
+    copies = max(2, -(-2 * L2_BYTES // wbytes))
+    ws = [torch.randn(N, K, dtype=torch.bfloat16, device=dev) for _ in range(copies)]
+    bs = [torch.randn(N, dtype=torch.bfloat16, device=dev) if shape["bias"] else None for _ in range(copies)]
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    order = [i % copies for i in range(CALLS_PER_GRAPH)]
+    moved = wbytes + (M * K + M * N) * 2
+    ref = F.linear(x.float(), ws[0].float(), None if bs[0] is None else bs[0].float())
+    base = graph_ms([lambda i=i: F.linear(x, ws[i], bs[i]) for i in order])
+    row = {**shape, "bytes": moved, "cublas_us": base * 1e3,
+           "cublas_copy_fraction": moved / COPY_BANDWIDTH / base * 1e3, "configs": []}
+    for cfg in configs:
+        if str(cfg) in failed:
+            continue
+        workspace = SplitKWorkspace.allocate(M, N, cfg, dev) if cfg.split_k > 1 else None
+        try:
+            got = skinny_linear_forward(x, ws[0], bs[0], cfg, workspace, out=y).float()
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: recorded, not fatal
+            row["configs"].append({**asdict(cfg), "error": f"{type(error).__name__}: {str(error)[:100]}"})
+            continue
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        if not err < 2e-2:
+            row["configs"].append({**asdict(cfg), "error": err})
+            continue
+        ms = graph_ms([lambda i=i, c=cfg, w=workspace: skinny_linear_forward(x, ws[i], bs[i], c, w, out=y)
+                       for i in order])
+        row["configs"].append({**asdict(cfg), "us": ms * 1e3, "copy_fraction": moved / COPY_BANDWIDTH / ms * 1e3})
+    timed = sorted((c for c in row["configs"] if "us" in c), key=lambda c: c["us"])
+    row["best"] = timed[0] if timed else None
+    row["configs"] = timed[:8] + [c for c in row["configs"] if "error" in c][:8]
+    ws.clear()
+    torch.cuda.empty_cache()
+    best = row["best"]
+    print(f"{shape['name']:15s} M={M:3d} N={N:6d} K={K:6d}  cublas {row['cublas_us']:7.1f} us "
+          f"({row['cublas_copy_fraction']:.0%})  best {best['us'] if best else float('nan'):7.1f} us "
+          f"({best['copy_fraction'] if best else 0:.0%}) {best}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="llama-8b", choices=sorted(PAIRS))
+    parser.add_argument("--only", default="", help="comma-separated projection names (e.g. target.gate_up)")
+    parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    parser.add_argument("--out", type=Path, default=RESULTS / "linear_h200.json")
+    args = parser.parse_args()
+    shapes = [s for s in projections(args.pair) if not args.only or s["name"] in args.only.split(",")]
+    jobs = [(s, candidates(s["M"], s["N"], s["K"])) for s in shapes]
+    variants = {}  # one compile per distinct kernel: split_k itself is a runtime argument
+    for s, cfgs in jobs:
+        for c in cfgs:
+            key = (max(16, 1 << (s["M"] - 1).bit_length()), s["K"] % c.block_k == 0, s["bias"], c.block_n, c.block_k,
+                   c.split_k > 1, c.swap, c.num_warps, c.num_stages)
+            variants.setdefault(key, (s, c))
+    todo = list(variants.values())
+    chunks = [(s, [c]) for s, c in todo]
+    import multiprocessing
+
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        fails = [f for fs in pool.map(_compile, chunks) for f in fs]
+    print(f"compiled {len(todo)} kernel variants; {len(fails)} failed", *fails[:5], sep="\n", flush=True)
+    failed = set()  # a failed variant fails again in the sweep, which records it
+    rows = [bench_shape(s, cfgs, failed) for s, cfgs in jobs]
+    save_json(args.out, {**environment(), "pair": args.pair, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The skinny-M linear kernel against a float64 matmul: odd M / N / K, bias, split-K (counters back at 0 for the
+next call), both tile orientations, strided rows, poisoned outputs; the op's dispatch and its error messages.
+
+CPU: runs the Triton kernel under TRITON_INTERPRET=1; the same tests run on CUDA tensors when a GPU is present
+(there also inside a CUDA graph, where launches use PDL and the L2 weight prefetch).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
+
+from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
+    MAX_ROWS,
+    TUNED,
+    LinearConfig,
+    SplitKWorkspace,
+    pick_config,
+    skinny_linear,
+    skinny_linear_forward,
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def assert_close_to_f64(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    """fp32: accumulation-order error only; 16-bit: the output's own rounding (half an ulp, one with margin)."""
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements"
+    err = (out.double() - ref).abs()
+    if out.dtype == torch.float32:
+        bound = 1e-6 * k ** 0.5 * ref.abs().max()
+    else:
+        _, exponent = torch.frexp(ref.abs())
+        ulp = torch.ldexp(torch.ones_like(ref), exponent - 1 - (7 if out.dtype == torch.bfloat16 else 10))
+        bound = ulp + 1e-3 * ref.abs().max()  # + fp32 accumulation of 16-bit products in another order
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} over the bound"
+
+
+SHAPES = [(1, 64, 256), (5, 72, 200), (16, 96, 512), (33, 200, 384), (64, 128, 1000)]
+CONFIGS = [LinearConfig(block_n=32, block_k=64, swap=True, num_stages=2),
+           LinearConfig(block_n=64, block_k=128, swap=False, num_stages=2),
+           LinearConfig(block_n=32, block_k=64, split_k=3, swap=True, num_stages=2)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS, ids=["swap", "plain", "split3"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_matches_float64(m: int, n: int, k: int, config: LinearConfig, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if n % 2 == 0 else None
+    workspace = SplitKWorkspace.allocate(m, n, config, x.device) if config.split_k > 1 else None
+    ref = reference(x, w, b)
+    for _ in range(2):  # the second call finds the split-K counters reset by the first
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+        skinny_linear_forward(x, w, b, config, workspace, out=out)
+        assert_close_to_f64(out, ref, k)
+        if workspace is not None:
+            assert int(workspace.counters.abs().sum()) == 0, "split-K counters not reset after the launch"
+
+
+@needs_kernel
+def test_leading_dims_and_strided_rows() -> None:
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 5, 2 * 160, generator=gen).to(DEVICE, torch.bfloat16)
+    x = base[..., ::2]  # [3, 5, 160] with stride 2 along K: the launcher makes it contiguous
+    w = torch.randn(48, 160, generator=gen).to(DEVICE, torch.bfloat16)
+    out = skinny_linear_forward(x, w, None, LinearConfig(block_n=16, block_k=32, num_stages=2))
+    assert out.shape == (3, 5, 48)
+    assert_close_to_f64(out, reference(x, w, None), 160)
+    rows = base[:, :, :160]  # unit stride along K, row stride 320: used in place
+    out = skinny_linear_forward(rows, w, None, LinearConfig(block_n=16, block_k=32, num_stages=2))
+    assert_close_to_f64(out, reference(rows, w, None), 160)
+
+
+@needs_kernel
+def test_op_dispatch(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    b = torch.randn(40, generator=gen).to(DEVICE, torch.bfloat16)
+    few = torch.randn(2, 4, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    assert_close_to_f64(skinny_linear(few, w, b), reference(few, w, b), 96)
+    many = torch.randn(MAX_ROWS + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # a prefill chunk: cuBLAS
+    assert torch.equal(skinny_linear(many, w, b), F.linear(many, w, b))
+    fp32 = few.float()
+    assert torch.equal(skinny_linear(fp32, w.float(), b.float()), F.linear(fp32, w.float(), b.float()))
+    monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_LINEAR", "0")
+    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b))
+
+
+def test_pick_config() -> None:
+    (rows, n, k), tuned = next(iter(TUNED.items()))
+    assert pick_config(rows, n, k) is tuned
+    assert pick_config(rows - 1, n, k) is tuned  # rows round up to the tuned bucket
+    assert pick_config(16, 64 * 2 * 132, 512).block_n == 64  # two waves of 64-column tiles
+    assert pick_config(16, 1000, 512).block_n == 32
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="block_n=48"):
+        LinearConfig(block_n=48)
+    with pytest.raises(ValueError, match="split_k=0"):
+        LinearConfig(split_k=0)
+    with pytest.raises(ValueError, match="prefetch_k=96"):
+        LinearConfig(prefetch_k=96)
+    x, w = torch.zeros(4, 32), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_linear_forward(x, w, None, LinearConfig())
+    with pytest.raises(ValueError, match="M=200"):
+        skinny_linear_forward(torch.zeros(200, 16), w, None, LinearConfig())
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_linear_forward(torch.zeros(4, 16), w.half(), None, LinearConfig())
+
+
+@needs_cuda
+def test_cuda_graph_chain_with_pdl() -> None:
+    """Two dependent projections replayed from a CUDA graph (PDL launches with the weight prefetch on sm_90+)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(16, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(3072, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    w2 = torch.randn(2048, 3072, generator=gen, device="cuda", dtype=torch.bfloat16) / 3072 ** 0.5
+    step = lambda: skinny_linear(skinny_linear(x, w1), w2)  # noqa: E731
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn(16, 2048, generator=gen, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    hidden = skinny_linear(x, w1)
+    assert_close_to_f64(hidden, reference(x, w1, None), 2048)
+    assert_close_to_f64(out, reference(hidden, w2, None), 3072)
