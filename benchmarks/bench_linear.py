@@ -39,7 +39,7 @@ def projections(pair: str) -> list[dict]:
     """(name, M, N, K, bias) of every projection a round of the pair runs."""
     target_name, draft_name, batch, gamma = PAIRS[pair]
     shapes = []
-    roles = (("target", target_name, (batch * (gamma + 1),)), ("draft", draft_name, (batch, 2 * batch)))
+    roles = (("target", target_name, (batch * (gamma + 1), batch)), ("draft", draft_name, (batch, 2 * batch)))
     for role, name, rows in roles:
         c = get_preset(name)
         qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -50,7 +50,7 @@ def projections(pair: str) -> list[dict]:
         for m in rows:
             for mat, (n, k, bias) in mats.items():
                 if mat == "lm_head" and role == "draft" and m != batch:
-                    continue  # the draft's head runs on one row per sequence
+                    continue  # the draft's head runs on one row per sequence (the target's B rows: vanilla)
                 shapes.append({"name": f"{role}.{mat}", "M": m, "N": n, "K": k, "bias": bias})
     return shapes
 

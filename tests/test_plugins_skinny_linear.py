@@ -82,25 +82,42 @@ def test_leading_dims_and_strided_rows() -> None:
 
 @needs_kernel
 def test_op_dispatch(monkeypatch) -> None:
+    """Tuned shapes run the kernel (split-K ones only with a workspace); everything else is F.linear, bit for bit."""
+    import trtllm_dustin.plugins.skinny_linear as module
+
+    launched = []
+    real_forward = module.skinny_linear_forward
+    monkeypatch.setattr(module, "skinny_linear_forward", lambda *a, **k: launched.append(a[3]) or real_forward(*a, **k))
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
     b = torch.randn(40, generator=gen).to(DEVICE, torch.bfloat16)
-    few = torch.randn(2, 4, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    few = torch.randn(2, 4, 96, generator=gen).to(DEVICE, torch.bfloat16)  # 8 rows: the 16-row bucket
+    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b)) and not launched  # untuned shape
+    single = LinearConfig(block_n=16, block_k=32, num_stages=2)
+    monkeypatch.setitem(TUNED, (16, 40, 96), single)
     assert_close_to_f64(skinny_linear(few, w, b), reference(few, w, b), 96)
+    assert launched == [single]
+    split = LinearConfig(block_n=16, block_k=32, split_k=3, num_stages=2)
+    monkeypatch.setitem(TUNED, (16, 40, 96), split)
+    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b)) and launched == [single]  # no workspace
+    workspace = SplitKWorkspace.for_outputs(40, few.device)
+    assert_close_to_f64(skinny_linear(few, w, b, workspace), reference(few, w, b), 96)
+    assert launched == [single, split] and int(workspace.counters.abs().sum()) == 0
     many = torch.randn(MAX_ROWS + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # a prefill chunk: cuBLAS
     assert torch.equal(skinny_linear(many, w, b), F.linear(many, w, b))
     fp32 = few.float()
     assert torch.equal(skinny_linear(fp32, w.float(), b.float()), F.linear(fp32, w.float(), b.float()))
     monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_LINEAR", "0")
     assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b))
+    assert len(launched) == 2
 
 
 def test_pick_config() -> None:
     (rows, n, k), tuned = next(iter(TUNED.items()))
     assert pick_config(rows, n, k) is tuned
     assert pick_config(rows - 1, n, k) is tuned  # rows round up to the tuned bucket
-    assert pick_config(16, 64 * 2 * 132, 512).block_n == 64  # two waves of 64-column tiles
-    assert pick_config(16, 1000, 512).block_n == 32
+    assert pick_config(rows, n + 16, k) is None  # not measured: F.linear
+    assert any(c is None for c in TUNED.values()), "shapes where cuBLAS won stay on cuBLAS"
 
 
 def test_errors() -> None:
@@ -108,8 +125,6 @@ def test_errors() -> None:
         LinearConfig(block_n=48)
     with pytest.raises(ValueError, match="split_k=0"):
         LinearConfig(split_k=0)
-    with pytest.raises(ValueError, match="prefetch_k=96"):
-        LinearConfig(prefetch_k=96)
     x, w = torch.zeros(4, 32), torch.zeros(8, 16)
     with pytest.raises(ValueError, match="does not match"):
         skinny_linear_forward(x, w, None, LinearConfig())
@@ -120,19 +135,21 @@ def test_errors() -> None:
 
 
 @needs_cuda
-def test_cuda_graph_chain_with_pdl() -> None:
-    """Two dependent projections replayed from a CUDA graph (PDL launches with the weight prefetch on sm_90+)."""
+def test_cuda_graph_chain() -> None:
+    """Two dependent tuned projections (Llama-3.2-1B's down, split-K, then gate/up) replayed from a CUDA graph."""
     gen = torch.Generator(device="cuda").manual_seed(11)
-    x = torch.randn(16, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
-    w1 = torch.randn(3072, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
-    w2 = torch.randn(2048, 3072, generator=gen, device="cuda", dtype=torch.bfloat16) / 3072 ** 0.5
-    step = lambda: skinny_linear(skinny_linear(x, w1), w2)  # noqa: E731
+    x = torch.randn(16, 8192, generator=gen, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(2048, 8192, generator=gen, device="cuda", dtype=torch.bfloat16) / 8192 ** 0.5
+    w2 = torch.randn(16384, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    assert pick_config(16, 2048, 8192).split_k > 1 and pick_config(16, 16384, 2048) is not None
+    workspace = SplitKWorkspace.for_outputs(2048, x.device)
+    step = lambda: skinny_linear(skinny_linear(x, w1, None, workspace), w2)  # noqa: E731
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    x.copy_(torch.randn(16, 2048, generator=gen, device="cuda", dtype=torch.bfloat16))
+    x.copy_(torch.randn(16, 8192, generator=gen, device="cuda", dtype=torch.bfloat16))
     graph.replay()
-    hidden = skinny_linear(x, w1)
-    assert_close_to_f64(hidden, reference(x, w1, None), 2048)
-    assert_close_to_f64(out, reference(hidden, w2, None), 3072)
+    hidden = skinny_linear(x, w1, None, workspace)
+    assert_close_to_f64(hidden, reference(x, w1, None), 8192)
+    assert_close_to_f64(out, reference(hidden, w2, None), 2048)

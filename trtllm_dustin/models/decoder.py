@@ -8,8 +8,9 @@ attention backend read the cache; `cache.seqlens` is advanced by the decode loop
 the TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, "1" on, "0" off, unset None) runs the elementwise work between
 the matmuls as three fused kernels (plugins/fused_ops.py): residual add + RMSNorm, rotary embedding of q/k + the K/V
 cache write, and SiLU x up. Same arithmetic as the module code (up to a rare last-ulp flip); about 10 kernels per
-layer instead of about 50, which is what a CUDA-graph replay of a small batch pays for. Inference only
-(`forward_train` keeps the module code).
+layer instead of about 50, which is what a CUDA-graph replay of a small batch pays for. The fused path also runs its
+projections through plugins/skinny_linear.py, which takes the Triton skinny-M GEMM for the decode shapes it was tuned
+and measured faster on, and F.linear otherwise. Inference only (`forward_train` keeps the module code).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
 from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
-from trtllm_dustin.plugins.skinny_linear import skinny_linear
+from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
@@ -108,8 +109,9 @@ class FeedForward(nn.Module):
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return _skinny(self.w_down, silu_mul(_skinny(self.w_gate_up, x)))
+    def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace) -> torch.Tensor:
+        # down: long K, few output columns, so its tuned launches split K (the workspace holds the partials)
+        return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace)
 
 
 class Block(nn.Module):
@@ -138,6 +140,7 @@ class Transformer(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.fused_elementwise = {"1": True, "0": False}.get(os.environ.get("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", ""))
+        self.linear_workspace: SplitKWorkspace | None = None  # split-K partials of the fused path's projections
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """(Re)build the cos/sin tables on the model's device for positions < max_positions."""
@@ -170,11 +173,13 @@ class Transformer(nn.Module):
     def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
         """`forward`'s layers with each residual add folded into the next RMSNorm (fused_elementwise)."""
         B, delta = h.shape[0], None
+        if self.linear_workspace is None or self.linear_workspace.counters.device != h.device:
+            self.linear_workspace = SplitKWorkspace.for_outputs(self.config.hidden_size, h.device)
         for i, block in enumerate(self.layers):
             x, h = add_rms_norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
             delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture)
             x, h = add_rms_norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
-            delta = block.feed_forward.forward_fused(x)
+            delta = block.feed_forward.forward_fused(x, self.linear_workspace)
         if logit_index is not None:
             rows = torch.arange(B, device=h.device), logit_index
             x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
