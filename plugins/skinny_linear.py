@@ -2,14 +2,14 @@
 
 At decode batch sizes (M = B * T = 16-64 rows) a projection reads its whole weight matrix to produce a few
 rows, so it is a weight-streaming kernel: its time is weight bytes / bandwidth plus how unevenly the work
-lands on the 132 SMs. cuBLAS picks wide tiles there (e.g. 256 output columns for Llama-8B's gate/up, 112
-programs for 132 SMs), which leaves SMs idle for the whole kernel.
+lands on the 132 SMs. cuBLAS picks wide tiles there (its kernel for Llama-8B's 64-row gate/up has 256 x 64
+tiles: 112 of them for 132 SMs), which leaves SMs idle for the whole kernel.
 
 This kernel tiles the output columns in BLOCK_N and optionally splits K into SPLIT_K slices so that the
 grid covers every SM several times. With SWAP the tile product is computed as W_tile @ x_tile^T (BLOCK_N
 rows in the MMA's M slot, where Hopper's wgmma wants 64), else x_tile @ W_tile^T. Measured on the H200
-(benchmarks/bench_linear.py): the best configuration per shape is 0-20 % faster than cuBLAS alone, most on
-small matrices and on the 64-row output head; TUNED holds those. A PDL launch that prefetched the first weight
+(benchmarks/bench_linear.py): the best configuration per shape is 0-16 % faster than cuBLAS alone, most on
+small matrices and on the output heads; TUNED holds those. A PDL launch that prefetched the first weight
 columns into L2 before waiting on the previous kernel was tried and measured 1.7 ms slower per Llama-8B
 vanilla step (and no faster elsewhere), so the kernel is launched plainly.
 
@@ -203,8 +203,8 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M > 128:
-        raise ValueError(f"skinny_linear takes at most 128 rows (got M={M}); larger M is a regular GEMM")
+    if M > 2 * MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {2 * MAX_ROWS} rows (got M={M}); larger M is a regular GEMM")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if config.split_k > 1:
         if workspace is None:
