@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from common import graph_ms
 
 from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
 from trtllm_dustin.plugins.pdl import pdl_enabled
@@ -75,29 +76,6 @@ def spread_heads(shape: AttentionShape, n: int) -> tuple[int, ...]:
     group = shape.heads_q // shape.heads_kv
     heads = [(i % shape.heads_kv) * group + i // shape.heads_kv for i in range(n)]
     return tuple(heads)
-
-
-def graph_ms(calls, replays: int, warmup: int = 3) -> float:
-    """Median time of one call: all `calls` captured in one CUDA graph, each replay timed."""
-    for call in calls:  # compile and allocate outside capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def events_ms(call, replays: int, warmup: int = 2) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -25,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import COPY_BANDWIDTH, RESULTS, environment, save_json  # noqa: E402
+from common import COPY_BANDWIDTH, RESULTS, environment, graph_ms, save_json  # noqa: E402
 
 from trtllm_dustin.models.presets import get_preset  # noqa: E402
 from trtllm_dustin.plugins.skinny_linear import LinearConfig, SplitKWorkspace, skinny_linear_forward  # noqa: E402
 
 L2_BYTES = 60 << 20
 CALLS_PER_GRAPH = 24
+REPLAYS = 12
 PAIRS = {"llama-8b": ("llama-3.1-8b", "llama-3.2-1b", 16, 3), "qwen-7b": ("qwen2.5-7b", "qwen2.5-0.5b", 16, 3)}
 
 
@@ -87,31 +87,6 @@ def _compile(job: tuple[dict, list[LinearConfig]]) -> list[str]:
     return failed
 
 
-def graph_ms(calls, replays: int = 12) -> float:
-    """Median milliseconds per call of a CUDA graph that runs the callables in `calls` in order."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
-
-
 def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> dict:
     dev = torch.device("cuda")
     M, N, K = shape["M"], shape["N"], shape["K"]
@@ -124,7 +99,7 @@ def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> d
     order = [i % copies for i in range(CALLS_PER_GRAPH)]
     moved = wbytes + (M * K + M * N) * 2
     ref = F.linear(x.float(), ws[0].float(), None if bs[0] is None else bs[0].float())
-    base = graph_ms([lambda i=i: F.linear(x, ws[i], bs[i]) for i in order])
+    base = graph_ms([lambda i=i: F.linear(x, ws[i], bs[i]) for i in order], REPLAYS)
     row = {**shape, "bytes": moved, "cublas_us": base * 1e3,
            "cublas_copy_fraction": moved / COPY_BANDWIDTH / base * 1e3, "configs": []}
     for cfg in configs:
@@ -141,7 +116,7 @@ def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> d
             row["configs"].append({**asdict(cfg), "error": err})
             continue
         ms = graph_ms([lambda i=i, c=cfg, w=workspace: skinny_linear_forward(x, ws[i], bs[i], c, w, out=y)
-                       for i in order])
+                       for i in order], REPLAYS)
         row["configs"].append({**asdict(cfg), "us": ms * 1e3, "copy_fraction": moved / COPY_BANDWIDTH / ms * 1e3})
     timed = sorted((c for c in row["configs"] if "us" in c), key=lambda c: c["us"])
     row["best"] = timed[0] if timed else None
