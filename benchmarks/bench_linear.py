@@ -27,17 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import COPY_BANDWIDTH, RESULTS, environment, graph_ms, save_json  # noqa: E402
 
 from trtllm_dustin.models.presets import get_preset  # noqa: E402
-from trtllm_dustin.plugins.skinny_linear import LinearConfig, SplitKWorkspace, skinny_linear_forward  # noqa: E402
+from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
+    TUNED,
+    LinearConfig,
+    SplitKWorkspace,
+    skinny_linear_forward,
+)
 
 L2_BYTES = 60 << 20
 CALLS_PER_GRAPH = 24
 REPLAYS = 12
-PAIRS = {"llama-8b": ("llama-3.1-8b", "llama-3.2-1b", 16, 3), "qwen-7b": ("qwen2.5-7b", "qwen2.5-0.5b", 16, 3)}
+# pair -> (target, draft, Γ): the pairs of bench_e2e.py
+PAIRS = {"llama-8b": ("llama-3.1-8b", "llama-3.2-1b", 3), "qwen-7b": ("qwen2.5-7b", "qwen2.5-0.5b", 3),
+         "qwen-14b": ("qwen2.5-14b", "qwen2.5-0.5b", 3)}
 
 
-def projections(pair: str) -> list[dict]:
-    """(name, M, N, K, bias) of every projection a round of the pair runs."""
-    target_name, draft_name, batch, gamma = PAIRS[pair]
+def projections(pair: str, batch: int) -> list[dict]:
+    """(name, M, N, K, bias) of every projection a round of the pair runs at this batch size (and vanilla's)."""
+    target_name, draft_name, gamma = PAIRS[pair]
     shapes = []
     roles = (("target", target_name, (batch * (gamma + 1), batch)), ("draft", draft_name, (batch, 2 * batch)))
     for role, name, rows in roles:
@@ -87,7 +94,7 @@ def _compile(job: tuple[dict, list[LinearConfig]]) -> list[str]:
     return failed
 
 
-def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> dict:
+def bench_shape(shape: dict, configs: list[LinearConfig]) -> dict:
     dev = torch.device("cuda")
     M, N, K = shape["M"], shape["N"], shape["K"]
     wbytes = N * K * 2
@@ -103,8 +110,6 @@ def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> d
     row = {**shape, "bytes": moved, "cublas_us": base * 1e3,
            "cublas_copy_fraction": moved / COPY_BANDWIDTH / base * 1e3, "configs": []}
     for cfg in configs:
-        if str(cfg) in failed:
-            continue
         workspace = SplitKWorkspace.allocate(M, N, cfg, dev) if cfg.split_k > 1 else None
         try:
             got = skinny_linear_forward(x, ws[0], bs[0], cfg, workspace, out=y).float()
@@ -133,11 +138,16 @@ def bench_shape(shape: dict, configs: list[LinearConfig], failed: set[str]) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="llama-8b", choices=sorted(PAIRS))
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (rows: B, 2B, B * (Γ + 1))")
+    parser.add_argument("--skip-tuned", action="store_true",
+                        help="leave out shapes that skinny_linear.TUNED already has an entry for")
     parser.add_argument("--only", default="", help="comma-separated projection names (e.g. target.gate_up)")
     parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "linear_h200.json")
     args = parser.parse_args()
-    shapes = [s for s in projections(args.pair) if not args.only or s["name"] in args.only.split(",")]
+    shapes = [s for s in projections(args.pair, args.batch) if not args.only or s["name"] in args.only.split(",")]
+    if args.skip_tuned:
+        shapes = [s for s in shapes if (max(16, 1 << (s["M"] - 1).bit_length()), s["N"], s["K"]) not in TUNED]
     jobs = [(s, candidates(s["M"], s["N"], s["K"])) for s in shapes]
     variants = {}  # one compile per distinct kernel: split_k itself is a runtime argument
     for s, cfgs in jobs:
@@ -152,9 +162,8 @@ def main() -> None:
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         fails = [f for fs in pool.map(_compile, chunks) for f in fs]
     print(f"compiled {len(todo)} kernel variants; {len(fails)} failed", *fails[:5], sep="\n", flush=True)
-    failed = set()  # a failed variant fails again in the sweep, which records it
-    rows = [bench_shape(s, cfgs, failed) for s, cfgs in jobs]
-    save_json(args.out, {**environment(), "pair": args.pair, "rows": rows})
+    rows = [bench_shape(s, cfgs) for s, cfgs in jobs]  # a variant that failed to compile fails again there, recorded
+    save_json(args.out, {**environment(), "pair": args.pair, "batch": args.batch, "rows": rows})
 
 
 if __name__ == "__main__":
