@@ -9,9 +9,9 @@ This kernel tiles the output columns in BLOCK_N and optionally splits K into SPL
 grid covers every SM several times. With SWAP the tile product is computed as W_tile @ x_tile^T (BLOCK_N
 rows in the MMA's M slot, where Hopper's wgmma wants 64), else x_tile @ W_tile^T. Measured on the H200
 (benchmarks/bench_linear.py): the best configuration per shape is 0-16 % faster than cuBLAS alone, most on
-small matrices and on the output heads; TUNED holds those. A PDL launch that prefetched the first weight
-columns into L2 before waiting on the previous kernel was tried and measured 1.7 ms slower per Llama-8B
-vanilla step (and no faster elsewhere), so the kernel is launched plainly.
+small matrices and on the output heads; TUNED holds those, and leaves cuBLAS where it was as fast. A PDL
+launch that prefetched the first weight columns into L2 before waiting on the previous kernel was tried and
+measured 1.7 ms slower per Llama-8B vanilla step (and no faster elsewhere), so the kernel is launched plainly.
 
 Split-K reduction without a second launch: each program stores its fp32 partial tile into `partials`
 [SPLIT_K, M, N], then bumps the tile's counter; the program that arrives last sums the SPLIT_K partials in
@@ -90,33 +90,74 @@ def _tuned(block_n: int, block_k: int, swap: bool, num_warps: int, num_stages: i
                         num_stages=num_stages)
 
 
-# The fastest configuration per shape of two H200 sweeps of benchmarks/bench_linear.py at git f792c99 (the kernel
-# then launched with PDL), keyed by (rows rounded up to 16 / 32 / 64, N, K); None where cuBLAS was as fast or
-# faster. Shapes not listed run F.linear: the kernel is used only where it was measured to win. The committed
-# sweep, benchmarks/results/linear_h200.json (git 2a7352b, plain launches), has each entry within 1 us of the
-# shape's best, except the 64-row output head, where its best is 264.5 us (cuBLAS 284.6).
+# The fastest configuration per shape of the H200 sweeps of benchmarks/bench_linear.py (plain launches, git 2a7352b
+# and 8182bae; benchmarks/results/linear*_h200.json), keyed by (rows rounded up to 16 / 32 / 64, N, K), for the
+# e2e pairs' verify (B * (Γ + 1) rows), draft (B and 2B rows) and vanilla (B rows) projections at B = 8 and 16;
+# None where the kernel was not at least 2 % faster than cuBLAS. Shapes not listed run F.linear.
 TUNED: dict[tuple[int, int, int], LinearConfig | None] = {
-    # Llama-3.1-8B: verify (B = 16, Γ + 1 = 4 rows each) and vanilla decode (16 rows)
-    (64, 6144, 4096): _tuned(64, 128, False, 4, 6),
-    (64, 4096, 4096): _tuned(32, 128, False, 4, 6),
-    (64, 28672, 4096): _tuned(128, 128, True, 8, 4),
-    (64, 4096, 14336): _tuned(32, 256, False, 4, 4),
-    (64, 128256, 4096): _tuned(128, 128, True, 8, 4),
-    (16, 6144, 4096): _tuned(64, 128, True, 4, 6),
-    (16, 4096, 4096): _tuned(64, 256, True, 4, 4),
-    (16, 28672, 4096): None,
-    (16, 4096, 14336): _tuned(64, 128, True, 4, 4, split_k=4),
-    (16, 128256, 4096): _tuned(128, 128, True, 4, 3),
-    # Llama-3.2-1B draft: steps of one token (16 rows) and the first step's two (32 rows)
-    (16, 3072, 2048): _tuned(64, 256, True, 4, 4),
-    (16, 2048, 2048): None,
-    (16, 16384, 2048): _tuned(64, 128, True, 4, 4),
-    (16, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),
-    (16, 128256, 2048): _tuned(128, 128, True, 4, 3),
-    (32, 3072, 2048): None,
-    (32, 2048, 2048): None,
-    (32, 16384, 2048): _tuned(64, 128, True, 4, 3),
-    (32, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),
+    # llama-8b B16
+    (64, 6144, 4096): None,  # target.qkv, 64 rows: cuBLAS 16.3 us, ours 16.2
+    (64, 4096, 4096): None,  # target.o, 64 rows: cuBLAS 11.9 us, ours 11.9
+    (64, 28672, 4096): _tuned(128, 128, False, 8, 4),  # target.gate_up, 64 rows: 62.2 -> 60.1 us
+    (64, 4096, 14336): _tuned(32, 256, False, 4, 4),  # target.down, 64 rows: 36.5 -> 33.5 us
+    (64, 128256, 4096): _tuned(128, 64, False, 8, 4),  # target.lm_head, 64 rows: 284.6 -> 264.5 us
+    (16, 6144, 4096): _tuned(64, 256, True, 4, 4),  # target.qkv, 16 rows: 16.8 -> 15.0 us
+    (16, 4096, 4096): _tuned(64, 256, True, 4, 4),  # target.o, 16 rows: 13.5 -> 11.4 us
+    (16, 28672, 4096): None,  # target.gate_up, 16 rows: cuBLAS 57.1 us, ours 56.8
+    (16, 4096, 14336): _tuned(32, 256, True, 4, 6),  # target.down, 16 rows: 33.0 -> 31.2 us
+    (16, 128256, 4096): _tuned(128, 128, True, 4, 3),  # target.lm_head, 16 rows: 253.7 -> 240.9 us
+    (16, 3072, 2048): None,  # draft.qkv, 16 rows: cuBLAS 6.6 us, ours 6.6
+    (16, 2048, 2048): None,  # draft.o, 16 rows: cuBLAS 6.3 us, ours 6.2
+    (16, 16384, 2048): None,  # draft.gate_up, 16 rows: cuBLAS 18.7 us, ours 18.3
+    (16, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),  # draft.down, 16 rows: 13.9 -> 12.5 us
+    (16, 128256, 2048): _tuned(128, 128, True, 4, 3),  # draft.lm_head, 16 rows: 130.8 -> 123.0 us
+    (32, 3072, 2048): None,  # draft.qkv, 32 rows: cuBLAS 6.6 us, ours 6.9
+    (32, 2048, 2048): None,  # draft.o, 32 rows: cuBLAS 6.2 us, ours 6.7
+    (32, 16384, 2048): _tuned(64, 128, True, 4, 3),  # draft.gate_up, 32 rows: 19.2 -> 18.5 us
+    (32, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),  # draft.down, 32 rows: 14.1 -> 13.5 us
+    # llama-8b B8
+    (32, 6144, 4096): _tuned(64, 128, True, 4, 6),  # target.qkv, 32 rows: 15.9 -> 15.4 us
+    (32, 4096, 4096): _tuned(64, 128, True, 4, 6),  # target.o, 32 rows: 13.0 -> 11.8 us
+    (32, 28672, 4096): None,  # target.gate_up, 32 rows: cuBLAS 58.1 us, ours 58.0
+    (32, 4096, 14336): None,  # target.down, 32 rows: cuBLAS 33.2 us, ours 33.2
+    (32, 128256, 4096): _tuned(128, 128, False, 4, 3),  # target.lm_head, 32 rows: 267.5 -> 244.8 us
+    # qwen-7b B16
+    (64, 4608, 3584): None,  # target.qkv, 64 rows: cuBLAS 11.6 us, ours 13.3
+    (64, 3584, 3584): None,  # target.o, 64 rows: cuBLAS 9.6 us, ours 10.1
+    (64, 37888, 3584): _tuned(128, 64, False, 8, 3),  # target.gate_up, 64 rows: 72.5 -> 70.9 us
+    (64, 3584, 18944): None,  # target.down, 64 rows: cuBLAS 39.7 us, ours 41.4
+    (64, 152064, 3584): _tuned(128, 128, False, 8, 4),  # target.lm_head, 64 rows: 274.4 -> 266.3 us
+    (16, 4608, 3584): _tuned(64, 256, True, 4, 4),  # target.qkv, 16 rows: 12.2 -> 11.3 us
+    (16, 3584, 3584): _tuned(64, 256, True, 4, 4),  # target.o, 16 rows: 10.9 -> 9.7 us
+    (16, 37888, 3584): _tuned(64, 64, True, 4, 3),  # target.gate_up, 16 rows: 73.3 -> 65.2 us
+    (16, 3584, 18944): _tuned(64, 128, True, 4, 4, split_k=3),  # target.down, 16 rows: 39.9 -> 37.3 us
+    (16, 152064, 3584): _tuned(128, 128, False, 4, 3),  # target.lm_head, 16 rows: 263.4 -> 248.9 us
+    (16, 1152, 896): _tuned(64, 64, True, 4, 6),  # draft.qkv, 16 rows: 4.8 -> 4.6 us
+    (16, 896, 896): _tuned(64, 64, True, 4, 6),  # draft.o, 16 rows: 4.1 -> 3.7 us
+    (16, 9728, 896): _tuned(128, 128, True, 4, 4),  # draft.gate_up, 16 rows: 7.3 -> 6.9 us
+    (16, 896, 4864): _tuned(32, 128, True, 4, 4, split_k=8),  # draft.down, 16 rows: 7.5 -> 7.2 us
+    (16, 151936, 896): _tuned(128, 128, False, 4, 3),  # draft.lm_head, 16 rows: 71.2 -> 67.6 us
+    (32, 1152, 896): _tuned(64, 128, True, 4, 4),  # draft.qkv, 32 rows: 4.8 -> 4.6 us
+    (32, 896, 896): None,  # draft.o, 32 rows: cuBLAS 4.0 us, ours 3.9
+    (32, 9728, 896): _tuned(128, 64, True, 4, 6),  # draft.gate_up, 32 rows: 7.3 -> 7.2 us
+    (32, 896, 4864): None,  # draft.down, 32 rows: cuBLAS 7.6 us, ours 8.3
+    # qwen-7b B8
+    (32, 4608, 3584): None,  # target.qkv, 32 rows: cuBLAS 11.2 us, ours 11.4
+    (32, 3584, 3584): _tuned(64, 256, True, 4, 4),  # target.o, 32 rows: 11.1 -> 10.0 us
+    (32, 37888, 3584): _tuned(64, 128, True, 4, 3),  # target.gate_up, 32 rows: 73.6 -> 67.0 us
+    (32, 3584, 18944): None,  # target.down, 32 rows: cuBLAS 39.2 us, ours 38.5
+    (32, 152064, 3584): _tuned(128, 128, False, 4, 4),  # target.lm_head, 32 rows: 266.5 -> 257.7 us
+    # qwen-14b B8
+    (32, 7168, 5120): _tuned(64, 128, True, 4, 6),  # target.qkv, 32 rows: 21.2 -> 20.7 us
+    (32, 5120, 5120): None,  # target.o, 32 rows: cuBLAS 16.1 us, ours 16.1
+    (32, 27648, 5120): None,  # target.gate_up, 32 rows: cuBLAS 69.7 us, ours 69.6
+    (32, 5120, 13824): _tuned(64, 256, True, 4, 4),  # target.down, 32 rows: 40.1 -> 38.5 us
+    (32, 152064, 5120): _tuned(128, 128, True, 4, 4),  # target.lm_head, 32 rows: 378.1 -> 360.0 us
+    (16, 7168, 5120): _tuned(64, 128, True, 4, 6),  # target.qkv, 8 rows: 22.8 -> 20.4 us
+    (16, 5120, 5120): None,  # target.o, 8 rows: cuBLAS 15.7 us, ours 15.4
+    (16, 27648, 5120): None,  # target.gate_up, 8 rows: cuBLAS 69.5 us, ours 68.2
+    (16, 5120, 13824): _tuned(64, 256, True, 4, 4),  # target.down, 8 rows: 40.9 -> 37.2 us
+    (16, 152064, 5120): _tuned(128, 128, True, 4, 4),  # target.lm_head, 8 rows: 372.4 -> 351.1 us
 }
 
 

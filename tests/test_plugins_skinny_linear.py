@@ -136,12 +136,13 @@ def test_errors() -> None:
 
 @needs_cuda
 def test_cuda_graph_chain() -> None:
-    """Two dependent tuned projections (Llama-3.2-1B's down, split-K, then gate/up) replayed from a CUDA graph."""
+    """Two dependent tuned projections (Llama-3.2-1B's down, split-K, then its output head) replayed from a CUDA
+    graph."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(16, 8192, generator=gen, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(2048, 8192, generator=gen, device="cuda", dtype=torch.bfloat16) / 8192 ** 0.5
-    w2 = torch.randn(16384, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
-    assert pick_config(16, 2048, 8192).split_k > 1 and pick_config(16, 16384, 2048) is not None
+    w2 = torch.randn(128256, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    assert pick_config(16, 2048, 8192).split_k > 1 and pick_config(16, 128256, 2048) is not None
     workspace = SplitKWorkspace.for_outputs(2048, x.device)
     step = lambda: skinny_linear(skinny_linear(x, w1, None, workspace), w2)  # noqa: E731
     step()
