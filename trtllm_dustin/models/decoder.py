@@ -16,6 +16,7 @@ and measured faster on, and F.linear otherwise. Inference only (`forward_train` 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -87,7 +88,8 @@ class Attention(nn.Module):
         return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
-                        backend: AttentionBackend, capture: QueryCapture | None, project) -> torch.Tensor:
+                        backend: AttentionBackend, capture: QueryCapture | None,
+                        project: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Both forwards' tail, once this step's K/V are in the cache: capture q, attend, output projection."""
         B, T, Hq, D = q.shape
         if capture is not None and layer_index in capture.queries:
@@ -110,7 +112,7 @@ class FeedForward(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace) -> torch.Tensor:
-        # down: long K, few output columns, so its tuned launches split K (the workspace holds the partials)
+        # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
         return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace)
 
 
