@@ -31,6 +31,7 @@ from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
     TUNED,
     LinearConfig,
     SplitKWorkspace,
+    row_block,
     skinny_linear_forward,
 )
 
@@ -63,7 +64,7 @@ def projections(pair: str, batch: int) -> list[dict]:
 
 
 def candidates(m: int, n: int, k: int) -> list[LinearConfig]:
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = row_block(m)
     out = []
     for bn, bk, stages, swap in itertools.product((32, 64, 128, 256), (64, 128, 256), (3, 4, 6), (True, False)):
         if (bn + block_m) * bk * 2 * stages > 200 * 1024 or (not swap and block_m < 64 and bn < 64):
@@ -87,7 +88,8 @@ def _compile(job: tuple[dict, list[LinearConfig]]) -> list[str]:
     failed = []
     for cfg in configs:
         try:
-            skinny_linear_forward(x, w, b, cfg)
+            workspace = SplitKWorkspace.allocate(shape["M"], shape["N"], cfg, dev) if cfg.split_k > 1 else None
+            skinny_linear_forward(x, w, b, cfg, workspace)
         except Exception as error:  # noqa: BLE001 - a config that does not compile is reported, not fatal
             failed.append(f"{cfg}: {type(error).__name__}: {str(error)[:120]}")
     torch.cuda.synchronize()
@@ -147,12 +149,12 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [s for s in projections(args.pair, args.batch) if not args.only or s["name"] in args.only.split(",")]
     if args.skip_tuned:
-        shapes = [s for s in shapes if (max(16, 1 << (s["M"] - 1).bit_length()), s["N"], s["K"]) not in TUNED]
+        shapes = [s for s in shapes if (row_block(s["M"]), s["N"], s["K"]) not in TUNED]
     jobs = [(s, candidates(s["M"], s["N"], s["K"])) for s in shapes]
     variants = {}  # one compile per distinct kernel: split_k itself is a runtime argument
     for s, cfgs in jobs:
         for c in cfgs:
-            key = (max(16, 1 << (s["M"] - 1).bit_length()), s["K"] % c.block_k == 0, s["bias"], c.block_n, c.block_k,
+            key = (row_block(s["M"]), s["K"] % c.block_k == 0, s["bias"], c.block_n, c.block_k,
                    c.split_k > 1, c.swap, c.num_warps, c.num_stages)
             variants.setdefault(key, (s, c))
     todo = list(variants.values())

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .split_kv import dot_mode, runs_triton, tile_dot
 
-__all__ = ["MAX_ROWS", "TUNED", "LinearConfig", "SplitKWorkspace", "pick_config", "skinny_linear",
+__all__ = ["MAX_ROWS", "TUNED", "LinearConfig", "SplitKWorkspace", "pick_config", "row_block", "skinny_linear",
            "skinny_linear_forward", "skinny_linear_ref"]
 
 MAX_ROWS = 64  # more rows than this (prefill chunks) are a regular GEMM: F.linear
@@ -161,9 +161,14 @@ TUNED: dict[tuple[int, int, int], LinearConfig | None] = {
 }
 
 
+def row_block(m: int) -> int:
+    """The kernel's BLOCK_M for m rows, which is also TUNED's row bucket: m rounded up to a power of two >= 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def pick_config(m: int, n: int, k: int) -> LinearConfig | None:
     """The tuned configuration of the shape, or None: F.linear (untuned, or cuBLAS measured as fast)."""
-    return TUNED.get((max(16, triton.next_power_of_2(m)), n, k))
+    return TUNED.get((row_block(m), n, k))
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,14 +253,13 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         raise ValueError(f"skinny_linear takes at most {2 * MAX_ROWS} rows (got M={M}); larger M is a regular GEMM")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if config.split_k > 1:
-        if workspace is None:
-            workspace = SplitKWorkspace.allocate(M, N, config, x.device)
-        elif not workspace.fits(M, N, config):
-            raise ValueError(f"workspace too small for M={M}, N={N}, {config}")
+        if workspace is None or not workspace.fits(M, N, config):
+            raise ValueError(f"split_k={config.split_k} needs a SplitKWorkspace for M={M}, N={N} "
+                             f"(SplitKWorkspace.allocate or .for_outputs); got {workspace}")
         part, counters = workspace.partials, workspace.counters
     else:
         part, counters = y, y  # unused
-    block_m = max(16, triton.next_power_of_2(M))
+    block_m = row_block(M)
     grid = (triton.cdiv(N, config.block_n), config.split_k)
     _skinny_linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, part, counters, M, N, K, x2.stride(0), weight.stride(0),

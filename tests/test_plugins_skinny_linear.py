@@ -130,6 +130,8 @@ def test_errors() -> None:
         skinny_linear_forward(x, w, None, LinearConfig())
     with pytest.raises(ValueError, match="M=200"):
         skinny_linear_forward(torch.zeros(200, 16), w, None, LinearConfig())
+    with pytest.raises(ValueError, match="split_k=2 needs a SplitKWorkspace"):
+        skinny_linear_forward(torch.zeros(4, 16), w, None, LinearConfig(split_k=2))
     with pytest.raises(ValueError, match="share a dtype"):
         skinny_linear_forward(torch.zeros(4, 16), w.half(), None, LinearConfig())
 
