@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.runtime.sampling import SamplingParams, sampling_probs
 
-__all__ = ["greedy_accept", "rejection_accept"]
+__all__ = ["greedy_accept", "greedy_accept_ids", "rejection_accept"]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -24,9 +25,13 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     Draft token i+1 is accepted while it equals the target's argmax after position i; the next token is
     the target's argmax after the last accepted one, so the output equals plain greedy decoding.
     """
-    target = target_logits.argmax(dim=-1)  # [B, Γ+1]
-    accepted = _leading_true(draft_tokens == target[:, :-1])
-    return accepted, target.gather(1, accepted[:, None])[:, 0]
+    return greedy_accept_ids(draft_tokens, argmax_last(target_logits))
+
+
+def greedy_accept_ids(draft_tokens: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_accept from the target's argmax ids [B, Γ+1] (for callers that need the ids too)."""
+    accepted = _leading_true(draft_tokens == target_ids[:, :-1])
+    return accepted, target_ids.gather(1, accepted[:, None])[:, 0]
 
 
 def rejection_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.runtime.acceptance import greedy_accept, rejection_accept
 from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.sampling import SamplingParams, sample, sampling_probs
@@ -216,8 +217,10 @@ class InflightBatcher:
         dec, st = self.decoder, self.state
         sampled = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.request.sampling.greedy]
         for step in range(dec.gamma):
-            logits = dec._run(f"draft{step}", lambda step=step: dec._draft_forward(step))  # [B, V]
-            tokens = logits.argmax(dim=-1)
+            logits = dec._run_draft(step, greedy=not sampled)  # [B, V]; an all-greedy step writes its tokens itself
+            if not sampled:
+                continue
+            tokens = argmax_last(logits)
             for i, s in sampled:
                 row = logits[i: i + 1]
                 tokens[i] = sample(row, s.request.sampling, s.generator)[0]
@@ -237,7 +240,7 @@ class InflightBatcher:
 
     def _sample_rows(self, logits: torch.Tensor, params) -> torch.Tensor:
         """Greedy rows by one argmax; each sampled slot from its own generator, as a batch of one."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_last(logits)
         for i, s in enumerate(self._slots):
             if s is not None and not s.request.sampling.greedy:
                 sampling, generator = params(s)

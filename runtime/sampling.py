@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_dustin.plugins.argmax import argmax_last
+
 __all__ = ["SamplingParams", "sample", "sampling_probs"]
 
 
@@ -42,7 +44,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)
     probs = sampling_probs(logits, params)
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, with no host sync.
     race = torch.empty_like(probs).exponential_(generator=generator)

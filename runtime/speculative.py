@@ -23,7 +23,8 @@ import torch
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
-from trtllm_dustin.runtime.acceptance import greedy_accept, rejection_accept
+from trtllm_dustin.plugins.argmax import argmax_last
+from trtllm_dustin.runtime.acceptance import greedy_accept_ids, rejection_accept
 from trtllm_dustin.runtime.cuda_graph import CapturedStep
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefill import prefill, slot_view
@@ -136,11 +137,22 @@ class SpeculativeDecoder:
         return self.draft(tokens, self.dcache, self.draft_metadata(lens), self.backend, logit_index=last,
                           capture=self.draft_capture(step))  # [B, V]
 
+    def _draft_greedy(self, step: int) -> torch.Tensor:
+        """A greedy draft step that also writes its token, so the pick is inside the step's CUDA graph."""
+        logits = self._draft_forward(step)
+        self.draft_tokens[:, step] = argmax_last(logits)
+        return logits
+
+    def _run_draft(self, step: int, greedy: bool) -> torch.Tensor:
+        if greedy:
+            return self._run(f"draft{step}-greedy", lambda: self._draft_greedy(step))
+        return self._run(f"draft{step}", lambda: self._draft_forward(step))
+
     def draft_tokens_for_round(self, config: GenerationConfig, generator: torch.Generator) -> None:
         for step in range(self.gamma):
-            logits = self._run(f"draft{step}", lambda step=step: self._draft_forward(step))
-            self.draft_tokens[:, step] = sample(logits, config.sampling, generator)
+            logits = self._run_draft(step, config.sampling.greedy)
             if not config.sampling.greedy:  # ids past the draft's vocabulary keep probability 0
+                self.draft_tokens[:, step] = sample(logits, config.sampling, generator)
                 self.draft_probs[:, step, : self.shared_vocab] = sampling_probs(logits, config.sampling)
 
     def _verify_forward(self) -> torch.Tensor:
@@ -180,13 +192,14 @@ class SpeculativeDecoder:
         return state
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, greedy: bool = True) -> None:
         """JIT and capture every phase before timing starts. Their side effects (draft/verify K/V at positions past
-        the committed length, scores, indices) are all rewritten by the next real round before being read."""
+        the committed length, draft tokens, scores, indices) are all rewritten by the next real round before being
+        read."""
         if not self.use_cuda_graph:
             return
         for step in range(self.gamma):
-            self._run(f"draft{step}", lambda step=step: self._draft_forward(step))
+            self._run_draft(step, greedy)
         if self.indices is not None:
             self._run("estimate", self.estimate)
             self._run("select", self.select)
@@ -205,15 +218,19 @@ class SpeculativeDecoder:
         with timer("verify"):
             target_logits = self._run("verify", self._verify_forward)
         with timer("accept"):
+            target_ids = None
             if config.sampling.greedy:
-                accepted, nxt = greedy_accept(self.draft_tokens, target_logits)
+                target_ids = argmax_last(target_logits)  # [B, Γ+1]
+                accepted, nxt = greedy_accept_ids(self.draft_tokens, target_ids)
             else:
                 accepted, nxt = rejection_accept(self.draft_tokens, self.draft_probs, target_logits, config.sampling,
                                                  state.generator)
             if self.forced_acceptance is not None:
                 accepted = torch.multinomial(self.forced_acceptance.expand(accepted.shape[0], -1), 1,
                                              generator=state.generator)[:, 0]
-                nxt = target_logits.argmax(dim=-1).gather(1, accepted[:, None])[:, 0]
+                if target_ids is None:
+                    target_ids = argmax_last(target_logits)
+                nxt = target_ids.gather(1, accepted[:, None])[:, 0]
             self.commit(state, accepted, nxt, config.max_new_tokens)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor, nxt: torch.Tensor, max_new_tokens: int) -> None:
@@ -256,7 +273,7 @@ class SpeculativeDecoder:
         self.after_prefill(last_queries, B)
         state = self.start(sample(self._shared(logits), config.sampling, torch.Generator(device=device).manual_seed(
             config.sampling.seed + 1)), torch.tensor([p[-1] for p in prompts], device=device), B, config)
-        self.capture_graphs()  # one-time cost, kept out of the decode time
+        self.capture_graphs(config.sampling.greedy)  # one-time cost, kept out of the decode time
         _sync(device)
         t1 = time.perf_counter()
 
