@@ -9,6 +9,8 @@ every number (the first NaN wins); -0.0 equals 0.0. Each element is turned into 
 like the values under those rules, so both passes compare integers and ties keep the lower index.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -101,11 +103,12 @@ def _(x) -> torch.Tensor:
 
 
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) for logits x [..., V] in bf16 / fp16 / fp32 (int64 [...]); other dtypes run torch's."""
+    """x.argmax(dim=-1) for logits x [..., V] in bf16 / fp16 / fp32 (int64 [...]); other dtypes, and
+    TRTLLM_DUSTIN_ROUND_KERNELS=0, run torch's."""
     op = "argmax_last"
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} has no last dim to reduce; pass [..., V] with V >= 1")
-    if x.dtype not in ARGMAX_DTYPES:
+    if x.dtype not in ARGMAX_DTYPES or os.environ.get("TRTLLM_DUSTIN_ROUND_KERNELS", "1") == "0":
         return argmax_ref(x)
     if triton.cdiv(x.shape[-1], CHUNK) > MAX_CHUNKS:
         raise ValueError(f"{op}: last dim {x.shape[-1]} is above {CHUNK * MAX_CHUNKS} columns; use torch.argmax")

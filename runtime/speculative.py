@@ -24,6 +24,7 @@ from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.argmax import argmax_last
+from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.runtime.acceptance import greedy_accept_ids, rejection_accept
 from trtllm_dustin.runtime.cuda_graph import CapturedStep
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
@@ -235,25 +236,11 @@ class SpeculativeDecoder:
 
     def commit(self, state: DecodeState, accepted: torch.Tensor, nxt: torch.Tensor, max_new_tokens: int) -> None:
         """Append the accepted drafts and the target's token, cut at EOS and max_new_tokens; advance the caches."""
-        gamma, active, positions = self.gamma, state.active, self.positions
-        round_tokens = torch.cat([self.draft_tokens, self.draft_tokens[:, :1]], dim=1)
-        round_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [B, Γ+1]; past a+1: junk
-        committed = accepted + 1
-        is_eos = torch.isin(round_tokens, state.eos) & (positions[None] < committed[:, None])
-        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), gamma + 1)
-        keep = torch.minimum(torch.minimum(committed, first_eos + 1), max_new_tokens - state.generated)
-        keep = torch.where(active, keep, 0)
-        cols = torch.where(positions[None] < keep[:, None], state.generated[:, None] + positions[None], max_new_tokens)
-        state.out.scatter_(1, cols, round_tokens)
-        state.hist.scatter_add_(0, accepted, active.long())
-        self.after_commit(accepted, active)
-        # In place: the captured draft and verify steps read these buffers.
-        self.prev.copy_(torch.where(active, self.verify_tokens.gather(1, accepted[:, None])[:, 0], self.prev))
-        self.cur.copy_(torch.where(active, nxt, self.cur))
-        self.tcache.seqlens.add_(keep.int())
-        self.dcache.seqlens.copy_(self.tcache.seqlens)
-        state.generated += keep
-        state.active &= ~(is_eos.any(1) | (state.generated >= max_new_tokens))
+        self.after_commit(accepted, state.active)  # reads the round's verdict before the state moves on
+        # In place, one launch on the GPU: the captured draft and verify steps read prev, cur and the seqlens.
+        commit_round(self.draft_tokens, self.verify_tokens, accepted, nxt, state.eos, max_new_tokens, state.out,
+                     state.active, state.generated, state.hist, self.prev, self.cur, self.tcache.seqlens,
+                     self.dcache.seqlens)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, profile: bool = False

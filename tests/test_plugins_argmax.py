@@ -104,3 +104,18 @@ def test_cuda_graph_replay() -> None:
         x.copy_(torch.randn(16, 128256, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         assert torch.equal(out, x.argmax(dim=-1))
+
+
+@needs_kernel
+def test_round_kernels_off_runs_torch(monkeypatch) -> None:
+    import trtllm_dustin.plugins.argmax as argmax_module
+
+    def refuse(*args) -> None:
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(argmax_module, "argmax_forward", refuse)
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with pytest.raises(AssertionError, match="the kernel ran"):
+        argmax_last(x)
+    monkeypatch.setenv("TRTLLM_DUSTIN_ROUND_KERNELS", "0")
+    assert torch.equal(argmax_last(x), x.argmax(dim=-1))
