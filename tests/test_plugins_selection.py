@@ -106,3 +106,51 @@ def test_capturable_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(indices, select_verify_indices(s_draft, s_target, seqlens, 512, 128))
+
+
+KERNEL = torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_kernel
+@pytest.mark.parametrize("levels", [2, 5, 1000])
+def test_kernel_ties_go_to_the_lowest_positions(levels):
+    """Scores from a few levels tie massively, across the kernel's 2048-wide steps: the kernel takes tied positions
+    lowest first, which is what the set reference's stable sort does."""
+    gen = torch.Generator().manual_seed(levels)
+    lengths = [9000, 5000, 2049, 700]
+    s_max = max(lengths) + 3
+    s_draft = torch.randint(0, levels, (4, s_max), generator=gen).float() / levels
+    s_target = -torch.randint(0, levels, (4, s_max), generator=gen).float()  # negative scores order correctly too
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    for budget, m in [(512, 128), (512, 0), (600, 580), (64, 44)]:
+        got = select_verify_indices(s_draft.to(KERNEL_DEVICE), s_target.to(KERNEL_DEVICE), seqlens.to(KERNEL_DEVICE),
+                                    budget, m)
+        assert as_lists(got) == reference(s_draft, s_target, lengths, budget, m, 4, 16), (budget, m)
+
+
+@needs_kernel
+def test_kernel_per_sequence_m_equals_one_call_per_row():
+    gen = torch.Generator().manual_seed(7)
+    lengths = [6000, 3000, 800, 300]
+    s_draft = torch.rand(4, 6100, generator=gen)
+    s_target = torch.rand(4, 6100, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    shares = torch.tensor([0, 300, 1000, -5])  # clamped to [0, free = 492]
+    got = select_verify_indices(s_draft.to(KERNEL_DEVICE), s_target.to(KERNEL_DEVICE), seqlens.to(KERNEL_DEVICE), 512,
+                                shares.to(KERNEL_DEVICE))
+    for b, share in enumerate([0, 300, 492, 0]):
+        assert as_lists(got)[b] == reference(s_draft[b: b + 1], s_target[b: b + 1], lengths[b: b + 1], 512, share,
+                                             4, 16)[0]
+
+
+@needs_kernel
+def test_kernel_and_torch_reference_agree_without_ties(monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    s_draft = torch.rand(3, 40000, dtype=torch.float64, generator=gen).float().to(KERNEL_DEVICE)
+    s_target = torch.rand(3, 40000, dtype=torch.float64, generator=gen).float().to(KERNEL_DEVICE)
+    seqlens = torch.tensor([39990, 20000, 513], dtype=torch.int32, device=KERNEL_DEVICE)
+    got = select_verify_indices(s_draft, s_target, seqlens, 512, 128)
+    monkeypatch.setenv("TRTLLM_DUSTIN_ROUND_KERNELS", "0")  # the torch path, what CPUs without Triton run
+    assert torch.equal(got, select_verify_indices(s_draft, s_target, seqlens, 512, 128))
