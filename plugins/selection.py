@@ -67,7 +67,7 @@ def _threshold(row, ex_row, lo, hi, k, ex_threshold, ex_need, EXCLUDE: tl.conste
     known = tl.full([], 0, tl.uint32)  # bits of the threshold fixed so far
     k_left = tl.maximum(k, 1)
     for r in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * r
+        shift = 24 - 8 * r
         hist = tl.zeros([512], dtype=tl.int32)
         ex_ties = 0
         for start in range(lo, hi, BLOCK):
