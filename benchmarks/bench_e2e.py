@@ -223,8 +223,8 @@ def main() -> None:
                         help="decode-sized projections on the Triton skinny-M GEMM (plugins/skinny_linear.py) "
                         "instead of cuBLAS; fused path only")
     parser.add_argument("--round-kernels", choices=["off", "on"], default="on",
-                        help="greedy argmax, Eq. 6 selection and the round commit as Triton kernels "
-                        "(plugins/argmax.py, selection.py, commit.py) instead of torch ops")
+                        help="greedy argmax and the round commit as Triton kernels (plugins/argmax.py, commit.py) "
+                        "instead of torch ops")
     args = parser.parse_args()
     os.environ["TRTLLM_DUSTIN_ROUND_KERNELS"] = "1" if args.round_kernels == "on" else "0"
     os.environ["TRTLLM_DUSTIN_PDL"] = "1" if args.pdl == "on" else "0"
