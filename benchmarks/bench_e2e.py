@@ -225,7 +225,10 @@ def main() -> None:
     parser.add_argument("--round-kernels", choices=["off", "on"], default="on",
                         help="greedy argmax and the round commit as Triton kernels (plugins/argmax.py, commit.py) "
                         "instead of torch ops")
+    parser.add_argument("--skinny-pdl", choices=["off", "on"], default="on",
+                        help="launch the skinny-M GEMM with PDL where the decoder asks for it (not after attention)")
     args = parser.parse_args()
+    os.environ["TRTLLM_DUSTIN_SKINNY_PDL"] = "1" if args.skinny_pdl == "on" else "0"
     os.environ["TRTLLM_DUSTIN_ROUND_KERNELS"] = "1" if args.round_kernels == "on" else "0"
     os.environ["TRTLLM_DUSTIN_PDL"] = "1" if args.pdl == "on" else "0"
     os.environ["TRTLLM_DUSTIN_SKINNY_LINEAR"] = "1" if args.skinny_linear == "on" else "0"
@@ -248,7 +251,7 @@ def main() -> None:
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
                     "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
                     "pdl": pdl_enabled(device), "skinny_linear": args.skinny_linear,
-                    "round_kernels": args.round_kernels,
+                    "round_kernels": args.round_kernels, "skinny_pdl": args.skinny_pdl,
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .split_kv import dot_mode, runs_triton, tile_dot
 
 __all__ = ["MAX_ROWS", "TUNED", "LinearConfig", "SplitKWorkspace", "pick_config", "row_block", "skinny_linear",
@@ -179,7 +180,8 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
                           EVEN_K: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -210,6 +212,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
             acc += tile_dot(w, tl.trans(x), DOT_MODE)
         else:
             acc += tile_dot(x, tl.trans(w), DOT_MODE)
+    gdc_launch_if(USE_GDC)  # the next PDL launch may be scheduled during this epilogue
     if SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     tile_ok = m_ok[:, None] & n_ok[None, :]
@@ -234,8 +237,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
 
 
 def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig,
-                          workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]."""
+                          workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None,
+                          pdl: bool = False) -> torch.Tensor:
+    """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]. pdl: launch with
+    programmatic dependent launch where pdl_enabled (not after a kernel that needs every SM until it ends)."""
     *lead, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -266,13 +271,13 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         y.stride(0), config.split_k, HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, SWAP=config.swap,
         EVEN_K=K % config.block_k == 0, DOT_MODE=dot_mode(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **gdc_args(pdl and pdl_enabled(x.device)))
     return y.view(*lead, N)
 
 
 @torch.library.custom_op("trtllm_dustin::skinny_linear", mutates_args=("partials", "counters"))
 def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partials: torch.Tensor | None,
-                      counters: torch.Tensor | None) -> torch.Tensor:
+                      counters: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
     config = pick_config(M, N, K) if runs_triton(x) and 0 < M <= MAX_ROWS and x.dtype in _DTYPES else None
@@ -281,21 +286,22 @@ def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         config = None  # split-K needs the caller's workspace
     if config is None:
         return skinny_linear_ref(x, weight, bias)
-    return skinny_linear_forward(x, weight, bias, config, workspace)
+    return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias, partials, counters) -> torch.Tensor:
+def _(x, weight, bias, partials, counters, pdl) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+                  workspace: SplitKWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized inputs: x [..., K] with at most MAX_ROWS rows in bf16 / fp16 and a
     shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace); anything else, and
     TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear."""
     if os.environ.get("TRTLLM_DUSTIN_SKINNY_LINEAR", "1") == "0":
         return F.linear(x, weight, bias)
+    pdl = pdl and os.environ.get("TRTLLM_DUSTIN_SKINNY_PDL", "1") != "0"
     if workspace is None:
-        return _skinny_linear_op(x, weight, bias, None, None)
-    return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters)
+        return _skinny_linear_op(x, weight, bias, None, None, pdl)
+    return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters, pdl)

@@ -34,9 +34,10 @@ from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
 
-def _skinny(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py)."""
-    return skinny_linear(x, layer.weight, layer.bias)
+def _skinny(layer: nn.Linear, x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py),
+    launched with PDL unless it follows the attention kernel, whose last programs should not share SMs with it."""
+    return skinny_linear(x, layer.weight, layer.bias, pdl=pdl)
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.layer(layer_index)
         q = rope_qkv_to_cache(_skinny(self.wqkv, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
                               self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
-        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo))
+        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo, pdl=False))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
                         backend: AttentionBackend, capture: QueryCapture | None,
@@ -113,7 +114,7 @@ class FeedForward(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace) -> torch.Tensor:
         # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
-        return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace)
+        return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace, pdl=True)
 
 
 class Block(nn.Module):
@@ -187,7 +188,7 @@ class Transformer(nn.Module):
             x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
         else:
             x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps)
-        return self._logits(skinny_linear(x, self.output_weight()), logit_index)
+        return self._logits(skinny_linear(x, self.output_weight(), pdl=True), logit_index)
 
     def _logits(self, head_out: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
         """The output head's rows [B, T or 1, R] -> fp32 logits over the whole vocabulary ([B, V] when logit_index
