@@ -86,7 +86,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.layer(layer_index)
         q = rope_qkv_to_cache(_skinny(self.wqkv, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
                               self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
-        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo, pdl=False))
+        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo, pdl=os.environ.get("TRTLLM_DUSTIN_WO_PDL") == "1"))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
                         backend: AttentionBackend, capture: QueryCapture | None,
