@@ -9,9 +9,12 @@ This kernel tiles the output columns in BLOCK_N and optionally splits K into SPL
 grid covers every SM several times. With SWAP the tile product is computed as W_tile @ x_tile^T (BLOCK_N
 rows in the MMA's M slot, where Hopper's wgmma wants 64), else x_tile @ W_tile^T. Measured on the H200
 (benchmarks/bench_linear.py): the best configuration per shape is 0-16 % faster than cuBLAS alone, most on
-small matrices and on the output heads; TUNED holds those, and leaves cuBLAS where it was as fast. A PDL
-launch that prefetched the first weight columns into L2 before waiting on the previous kernel was tried and
-measured 1.7 ms slower per Llama-8B vanilla step (and no faster elsewhere), so the kernel is launched plainly.
+small matrices and on the output heads; TUNED holds those, and leaves cuBLAS where it was as fast. The decoder
+launches it with PDL: each program waits for the previous kernel before its first read and lets the next launch
+be scheduled once its main loop is done. That took a Dustin-H round at Llama-8B + 1B, B = 16, 32K from 20.71 to
+20.50 ms and left vanilla at 19.3 ms (two interleaved pairs, git d12c6e3), the same with or without PDL on the
+projection after attention (git 95f45e6). An earlier variant that also prefetched the first weight columns into
+L2 before the wait measured 1.7 ms slower per vanilla step and was removed.
 
 Split-K reduction without a second launch: each program stores its fp32 partial tile into `partials`
 [SPLIT_K, M, N], then bumps the tile's counter; the program that arrives last sums the SPLIT_K partials in
