@@ -112,6 +112,31 @@ def test_op_dispatch(monkeypatch) -> None:
     assert len(launched) == 2
 
 
+def test_a_tie_runs_the_kernel_only_on_a_pdl_launch(monkeypatch) -> None:
+    """A shape that tied with cuBLAS runs the kernel only where the launch uses PDL (sm_90 GPUs); elsewhere, without
+    pdl=True, or with TRTLLM_DUSTIN_SKINNY_TIES=0 it stays on F.linear."""
+    import trtllm_dustin.plugins.skinny_linear as module
+    from trtllm_dustin.plugins.pdl import pdl_enabled
+
+    launched = []
+    real_forward = module.skinny_linear_forward
+    monkeypatch.setattr(module, "skinny_linear_forward", lambda *a, **k: launched.append(a[3]) or real_forward(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    tie = LinearConfig(block_n=16, block_k=32, num_stages=2, tie=True)
+    monkeypatch.setitem(TUNED, (16, 40, 96), tie)
+    assert torch.equal(skinny_linear(x, w), F.linear(x, w)) and not launched  # no PDL asked for
+    out = skinny_linear(x, w, pdl=True)
+    if pdl_enabled(x.device):
+        assert launched == [tie]
+        assert_close_to_f64(out, reference(x, w, None), 96)
+    else:
+        assert torch.equal(out, F.linear(x, w)) and not launched
+    monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_TIES", "0")
+    assert torch.equal(skinny_linear(x, w, pdl=True), F.linear(x, w)) and len(launched) <= 1
+
+
 def test_pick_config() -> None:
     (rows, n, k), tuned = next(iter(TUNED.items()))
     assert pick_config(rows, n, k) is tuned
