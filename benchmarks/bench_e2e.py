@@ -229,10 +229,7 @@ def main() -> None:
                         help="launch the skinny-M GEMM with PDL where the decoder asks for it (not after attention)")
     parser.add_argument("--skinny-ties", choices=["off", "on"], default="on",
                         help="PDL launches of the skinny GEMM also take the shapes where it tied with cuBLAS")
-    parser.add_argument("--skinny-gated", choices=["off", "on"], default="on",
-                        help="the down projection applies SiLU-and-mul while loading (no separate silu_mul launch)")
     args = parser.parse_args()
-    os.environ["TRTLLM_DUSTIN_SKINNY_GATED"] = "1" if args.skinny_gated == "on" else "0"
     os.environ["TRTLLM_DUSTIN_SKINNY_TIES"] = "1" if args.skinny_ties == "on" else "0"
     os.environ["TRTLLM_DUSTIN_SKINNY_PDL"] = "1" if args.skinny_pdl == "on" else "0"
     os.environ["TRTLLM_DUSTIN_ROUND_KERNELS"] = "1" if args.round_kernels == "on" else "0"
@@ -258,7 +255,7 @@ def main() -> None:
                     "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
                     "pdl": pdl_enabled(device), "skinny_linear": args.skinny_linear,
                     "round_kernels": args.round_kernels, "skinny_pdl": args.skinny_pdl,
-                    "skinny_ties": args.skinny_ties, "skinny_gated": args.skinny_gated,
+                    "skinny_ties": args.skinny_ties,
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fused_ops import _round_to, _soft_bf16, silu_mul
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .split_kv import dot_mode, runs_triton, tile_dot
 
@@ -194,24 +193,10 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 @triton.jit
-def _load_x(ptrs, mask, up_offset, GATED: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """An x tile; GATED: silu(gate) * up from [gate | up] rows, rounded as the silu_mul kernel rounds its output."""
-    if GATED:
-        gate = tl.load(ptrs, mask=mask, other=0.0)
-        up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
-        gate_f = gate.to(tl.float32)
-        silu = _round_to(tl.math.div_rn(gate_f, 1.0 + tl.exp(-gate_f)), gate.dtype, SOFT_BF16)
-        return _round_to(silu.to(tl.float32) * up.to(tl.float32), gate.dtype, SOFT_BF16)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
                           EVEN_K: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False, GATED: tl.constexpr = False,
-                          SOFT_BF16: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,11 +218,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
     for t in range(first, last):
         k = t * BLOCK_K + offs_k
         if EVEN_K:
-            x = _load_x(x_rows + k[None, :], m_ok[:, None], K, GATED, SOFT_BF16)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k[None, :] < K
-            x = _load_x(x_rows + k[None, :], m_ok[:, None] & k_ok, K, GATED, SOFT_BF16)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
         if SWAP:
             acc += tile_dot(w, tl.trans(x), DOT_MODE)
@@ -269,22 +254,19 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
 
 def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig,
                           workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None,
-                          pdl: bool = False, gated: bool = False) -> torch.Tensor:
+                          pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]. pdl: launch with
-    programmatic dependent launch where pdl_enabled. gated: x is [..., 2K] = [gate | up] and the product is taken
-    with silu_mul(x), computed while the tiles load (the SiLU-and-mul kernel's launch is saved)."""
-    *lead, width = x.shape
-    K = width // 2 if gated else width
+    programmatic dependent launch where pdl_enabled (not after a kernel that needs every SM until it ends)."""
+    *lead, K = x.shape
     N = weight.shape[0]
-    if weight.shape[1] != K or (gated and width % 2):
-        raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {width}"
-                         + (" (gated: [gate | up], 2 * K)" if gated else ""))
+    if weight.shape[1] != K:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {K}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous [N, K]")
-    x2 = x.reshape(-1, width)
+    x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -305,15 +287,14 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         y.stride(0), config.split_k, HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, SWAP=config.swap,
         EVEN_K=K % config.block_k == 0, DOT_MODE=dot_mode(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GATED=gated, SOFT_BF16=gated and _soft_bf16(),
         num_warps=config.num_warps, num_stages=config.num_stages, **gdc_args(pdl and pdl_enabled(x.device)))
     return y.view(*lead, N)
 
 
 @torch.library.custom_op("trtllm_dustin::skinny_linear", mutates_args=("partials", "counters"))
 def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partials: torch.Tensor | None,
-                      counters: torch.Tensor | None, pdl: bool, gated: bool) -> torch.Tensor:
-    K, N = x.shape[-1] // 2 if gated else x.shape[-1], weight.shape[0]
+                      counters: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
     config = pick_config(M, N, K) if runs_triton(x) and 0 < M <= MAX_ROWS and x.dtype in _DTYPES else None
     workspace = None if partials is None or counters is None else SplitKWorkspace(partials, counters)
@@ -322,26 +303,23 @@ def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if config is not None and config.tie and not (pdl and pdl_enabled(x.device) and _ties_on()):
         config = None  # a tie with cuBLAS gains only from the PDL launch
     if config is None:
-        return skinny_linear_ref(silu_mul(x) if gated else x, weight, bias)
-    return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl, gated=gated)
+        return skinny_linear_ref(x, weight, bias)
+    return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias, partials, counters, pdl, gated) -> torch.Tensor:
+def _(x, weight, bias, partials, counters, pdl) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: SplitKWorkspace | None = None, pdl: bool = False, gated: bool = False) -> torch.Tensor:
+                  workspace: SplitKWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized inputs: x [..., K] with at most MAX_ROWS rows in bf16 / fp16 and a
     shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace); anything else, and
-    TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear. gated: x is [..., 2K] = [gate | up] and the input is
-    silu_mul(x) (SwiGLU's down projection), computed inside the kernel when it runs."""
-    if gated and (x.shape[-1] % 2 or os.environ.get("TRTLLM_DUSTIN_SKINNY_GATED", "1") == "0"):
-        return skinny_linear(silu_mul(x), weight, bias, workspace, pdl)  # silu_mul names an odd width
+    TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear."""
     if os.environ.get("TRTLLM_DUSTIN_SKINNY_LINEAR", "1") == "0":
-        return F.linear(silu_mul(x) if gated else x, weight, bias)
+        return F.linear(x, weight, bias)
     pdl = pdl and os.environ.get("TRTLLM_DUSTIN_SKINNY_PDL", "1") != "0"
     if workspace is None:
-        return _skinny_linear_op(x, weight, bias, None, None, pdl, gated)
-    return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters, pdl, gated)
+        return _skinny_linear_op(x, weight, bias, None, None, pdl)
+    return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters, pdl)

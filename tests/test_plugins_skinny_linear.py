@@ -13,7 +13,6 @@ pytest.importorskip("triton")
 
 from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
-from trtllm_dustin.plugins.fused_ops import silu_mul, silu_mul_ref  # noqa: E402
 from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
     MAX_ROWS,
     TUNED,
@@ -65,47 +64,6 @@ def test_matches_float64(m: int, n: int, k: int, config: LinearConfig, dtype: to
         assert_close_to_f64(out, ref, k)
         if workspace is not None:
             assert int(workspace.counters.abs().sum()) == 0, "split-K counters not reset after the launch"
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", CONFIGS, ids=["swap", "plain", "split3"])
-@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (5, 72, 200), (33, 96, 384)])
-def test_gated_equals_silu_mul_then_the_kernel(m: int, n: int, k: int, config: LinearConfig,
-                                              dtype: torch.dtype) -> None:
-    """gated=True computes silu(gate) * up while loading: the same values, bit for bit, as running the silu_mul kernel
-    first, and within the usual bound of the float64 product of the torch SiLU-and-mul."""
-    gen = torch.Generator().manual_seed(m * 1000 + n + k + 1)
-    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
-    workspace = SplitKWorkspace.allocate(m, n, config, gate_up.device) if config.split_k > 1 else None
-    fused = skinny_linear_forward(gate_up, w, None, config, workspace, gated=True)
-    two_step = skinny_linear_forward(silu_mul(gate_up), w, None, config, workspace)
-    assert torch.equal(fused, two_step)
-    assert_close_to_f64(fused, reference(silu_mul_ref(gate_up), w, None), k)
-
-
-@needs_kernel
-def test_gated_dispatch(monkeypatch) -> None:
-    """Off the tuned shapes, or with the switch off, a gated call is silu_mul then F.linear; odd widths say so."""
-    import trtllm_dustin.plugins.skinny_linear as module
-
-    gen = torch.Generator().manual_seed(9)
-    gate_up = torch.randn(6, 2 * 96, generator=gen).to(DEVICE, torch.bfloat16)
-    w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
-    assert torch.equal(skinny_linear(gate_up, w, gated=True), F.linear(silu_mul(gate_up), w))  # untuned
-    config = LinearConfig(block_n=16, block_k=32, num_stages=2)
-    monkeypatch.setitem(TUNED, (16, 40, 96), config)
-    launched = []
-    real_forward = module.skinny_linear_forward
-    monkeypatch.setattr(module, "skinny_linear_forward", lambda *a, **k: launched.append(k) or real_forward(*a, **k))
-    assert torch.equal(skinny_linear(gate_up, w, gated=True), real_forward(gate_up, w, None, config, gated=True))
-    assert launched and launched[0]["gated"]
-    monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_GATED", "0")  # the two-launch path, for A/B runs
-    assert torch.equal(skinny_linear(gate_up, w, gated=True), real_forward(silu_mul(gate_up), w, None, config))
-    assert not launched[-1].get("gated")
-    with pytest.raises(ValueError, match="not even"):
-        skinny_linear(gate_up[:, :191], w, gated=True)
 
 
 @needs_kernel

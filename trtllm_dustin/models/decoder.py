@@ -28,7 +28,7 @@ from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
-from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache
+from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
 from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
@@ -113,9 +113,8 @@ class FeedForward(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace) -> torch.Tensor:
-        # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials. It
-        # takes [gate | up] and applies SiLU-and-mul while loading (gated): one launch fewer per layer.
-        return skinny_linear(_skinny(self.w_gate_up, x), self.w_down.weight, None, workspace, pdl=True, gated=True)
+        # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
+        return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace, pdl=True)
 
 
 class Block(nn.Module):
