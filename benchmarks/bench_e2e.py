@@ -226,7 +226,7 @@ def main() -> None:
                         help="greedy argmax and the round commit as Triton kernels (plugins/argmax.py, commit.py) "
                         "instead of torch ops")
     parser.add_argument("--skinny-pdl", choices=["off", "on"], default="on",
-                        help="launch the skinny-M GEMM with PDL where the decoder asks for it (not after attention)")
+                        help="launch the skinny-M GEMM with programmatic dependent launch (sm_90+)")
     parser.add_argument("--skinny-ties", choices=["off", "on"], default="on",
                         help="PDL launches of the skinny GEMM also take the shapes where it tied with cuBLAS")
     args = parser.parse_args()

@@ -256,7 +256,7 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None,
                           pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]. pdl: launch with
-    programmatic dependent launch where pdl_enabled (not after a kernel that needs every SM until it ends)."""
+    programmatic dependent launch where pdl_enabled (sm_90+)."""
     *lead, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -315,8 +315,9 @@ def _(x, weight, bias, partials, counters, pdl) -> torch.Tensor:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   workspace: SplitKWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized inputs: x [..., K] with at most MAX_ROWS rows in bf16 / fp16 and a
-    shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace); anything else, and
-    TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear."""
+    shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace; a tie with cuBLAS only on a
+    PDL launch); anything else, and TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear. pdl: launch with programmatic
+    dependent launch where pdl_enabled (TRTLLM_DUSTIN_SKINNY_PDL=0 turns it off)."""
     if os.environ.get("TRTLLM_DUSTIN_SKINNY_LINEAR", "1") == "0":
         return F.linear(x, weight, bias)
     pdl = pdl and os.environ.get("TRTLLM_DUSTIN_SKINNY_PDL", "1") != "0"
