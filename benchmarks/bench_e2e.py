@@ -37,6 +37,17 @@ from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.vanilla import GenerationConfig
 
+# Kernel paths that can be turned off for A/B runs: flag -> (environment switch, help); see plugins/switches.py.
+SWITCHES = {
+    "pdl": ("TRTLLM_DUSTIN_PDL", "programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)"),
+    "skinny-linear": ("TRTLLM_DUSTIN_SKINNY_LINEAR", "decode-sized projections on the Triton skinny-M GEMM "
+                      "(plugins/skinny_linear.py) instead of cuBLAS; fused path only"),
+    "skinny-pdl": ("TRTLLM_DUSTIN_SKINNY_PDL", "launch the skinny-M GEMM with programmatic dependent launch (sm_90+)"),
+    "skinny-ties": ("TRTLLM_DUSTIN_SKINNY_TIES", "PDL launches of the skinny GEMM also take the shapes where it tied "
+                    "with cuBLAS"),
+    "round-kernels": ("TRTLLM_DUSTIN_ROUND_KERNELS", "greedy argmax and the round commit as Triton kernels "
+                      "(plugins/argmax.py, commit.py) instead of torch ops"),
+}
 METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")
 
 
@@ -217,24 +228,11 @@ def main() -> None:
                         help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also record per-kernel GPU time (torch.profiler) at the longest context of each method")
-    parser.add_argument("--pdl", choices=["off", "on"], default="on",
-                        help="programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)")
-    parser.add_argument("--skinny-linear", choices=["off", "on"], default="on",
-                        help="decode-sized projections on the Triton skinny-M GEMM (plugins/skinny_linear.py) "
-                        "instead of cuBLAS; fused path only")
-    parser.add_argument("--round-kernels", choices=["off", "on"], default="on",
-                        help="greedy argmax and the round commit as Triton kernels (plugins/argmax.py, commit.py) "
-                        "instead of torch ops")
-    parser.add_argument("--skinny-pdl", choices=["off", "on"], default="on",
-                        help="launch the skinny-M GEMM with programmatic dependent launch (sm_90+)")
-    parser.add_argument("--skinny-ties", choices=["off", "on"], default="on",
-                        help="PDL launches of the skinny GEMM also take the shapes where it tied with cuBLAS")
+    for flag, (_, about) in SWITCHES.items():
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
     args = parser.parse_args()
-    os.environ["TRTLLM_DUSTIN_SKINNY_TIES"] = "1" if args.skinny_ties == "on" else "0"
-    os.environ["TRTLLM_DUSTIN_SKINNY_PDL"] = "1" if args.skinny_pdl == "on" else "0"
-    os.environ["TRTLLM_DUSTIN_ROUND_KERNELS"] = "1" if args.round_kernels == "on" else "0"
-    os.environ["TRTLLM_DUSTIN_PDL"] = "1" if args.pdl == "on" else "0"
-    os.environ["TRTLLM_DUSTIN_SKINNY_LINEAR"] = "1" if args.skinny_linear == "on" else "0"
+    for flag, (env, _) in SWITCHES.items():
+        os.environ[env] = "1" if getattr(args, flag.replace("-", "_")) == "on" else "0"
     args.methods = args.methods.split(",")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -253,9 +251,8 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
                     "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
-                    "pdl": pdl_enabled(device), "skinny_linear": args.skinny_linear,
-                    "round_kernels": args.round_kernels, "skinny_pdl": args.skinny_pdl,
-                    "skinny_ties": args.skinny_ties,
+                    **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
+                    "pdl": pdl_enabled(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:

@@ -9,13 +9,12 @@ every number (the first NaN wins); -0.0 equals 0.0. Each element is turned into 
 like the values under those rules, so both passes compare integers and ties keep the lower index.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .split_kv import runs_triton
+from .switches import switched_on
 
 __all__ = ["ARGMAX_DTYPES", "argmax_forward", "argmax_last", "argmax_ref"]
 
@@ -108,7 +107,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     op = "argmax_last"
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} has no last dim to reduce; pass [..., V] with V >= 1")
-    if x.dtype not in ARGMAX_DTYPES or os.environ.get("TRTLLM_DUSTIN_ROUND_KERNELS", "1") == "0":
+    if x.dtype not in ARGMAX_DTYPES or not switched_on("TRTLLM_DUSTIN_ROUND_KERNELS"):
         return argmax_ref(x)
     if triton.cdiv(x.shape[-1], CHUNK) > MAX_CHUNKS:
         raise ValueError(f"{op}: last dim {x.shape[-1]} is above {CHUNK * MAX_CHUNKS} columns; use torch.argmax")

@@ -7,13 +7,12 @@ and the result does not depend on scheduling. `commit_round_ref` is the torch co
 the tests.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .split_kv import runs_triton
+from .switches import switched_on
 
 __all__ = ["MAX_COMMIT_ROWS", "commit_round", "commit_round_forward", "commit_round_ref"]
 
@@ -165,7 +164,7 @@ def commit_round(draft_tokens: torch.Tensor, verify_tokens: torch.Tensor, accept
     if any(t.stride(-1) != 1 for t in tensors) or any(not t.is_contiguous() for t in tensors[6:]):
         raise ValueError(f"{op}: the token tensors need a contiguous last dim and the state tensors must be "
                          "contiguous (call .contiguous() on the inputs; state is updated in place)")
-    if os.environ.get("TRTLLM_DUSTIN_ROUND_KERNELS", "1") == "0":
+    if not switched_on("TRTLLM_DUSTIN_ROUND_KERNELS"):
         commit_round_ref(*tensors[:5], max_new_tokens, *tensors[5:])
     else:
         _commit_round_op(*tensors[:5], max_new_tokens, *tensors[5:])

@@ -17,11 +17,12 @@ a Triton without the launch option.
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .switches import switched_on
 
 __all__ = ["gdc_args", "gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_enabled", "triton_supports_pdl"]
 
@@ -45,7 +46,7 @@ def _capability_ok(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """PDL for launches on `device`: CUDA sm_90+, a Triton that has it, and not turned off by the env."""
-    if device.type != "cuda" or os.environ.get("TRTLLM_DUSTIN_PDL", "1") == "0":
+    if device.type != "cuda" or not switched_on("TRTLLM_DUSTIN_PDL"):
         return False
     if not triton_supports_pdl():
         return False

@@ -27,8 +27,7 @@ or None, all one dtype (bf16 / fp16 / fp32); y [M, N] in that dtype; with SPLIT_
 SPLIT_K). One workspace may serve every launch of a stream: a launch resets its counters before it ends.
 """
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .split_kv import dot_mode, runs_triton, tile_dot
+from .switches import switched_on
 
 __all__ = ["MAX_ROWS", "TUNED", "LinearConfig", "SplitKWorkspace", "pick_config", "row_block", "skinny_linear",
            "skinny_linear_forward", "skinny_linear_ref"]
@@ -95,9 +95,8 @@ def _tuned(block_n: int, block_k: int, swap: bool, num_warps: int, num_stages: i
                         num_stages=num_stages)
 
 
-def _tie(block_n: int, block_k: int, swap: bool, num_warps: int, num_stages: int, split_k: int = 1) -> LinearConfig:
-    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
-                        num_stages=num_stages, tie=True)
+def _tie(*args, **kwargs) -> LinearConfig:
+    return replace(_tuned(*args, **kwargs), tie=True)
 
 
 # The fastest configuration per shape of the H200 sweeps of benchmarks/bench_linear.py (plain launches, git 2a7352b
@@ -176,11 +175,6 @@ TUNED: dict[tuple[int, int, int], LinearConfig | None] = {
 def row_block(m: int) -> int:
     """The kernel's BLOCK_M for m rows, which is also TUNED's row bucket: m rounded up to a power of two >= 16."""
     return max(16, triton.next_power_of_2(m))
-
-
-def _ties_on() -> bool:
-    """TRTLLM_DUSTIN_SKINNY_TIES=0 leaves the tie shapes on cuBLAS (for A/B runs)."""
-    return os.environ.get("TRTLLM_DUSTIN_SKINNY_TIES", "1") != "0"
 
 
 def pick_config(m: int, n: int, k: int) -> LinearConfig | None:
@@ -300,7 +294,8 @@ def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     workspace = None if partials is None or counters is None else SplitKWorkspace(partials, counters)
     if config is not None and config.split_k > 1 and (workspace is None or not workspace.fits(M, N, config)):
         config = None  # split-K needs the caller's workspace
-    if config is not None and config.tie and not (pdl and pdl_enabled(x.device) and _ties_on()):
+    ties = pdl and pdl_enabled(x.device) and switched_on("TRTLLM_DUSTIN_SKINNY_TIES")
+    if config is not None and config.tie and not ties:
         config = None  # a tie with cuBLAS gains only from the PDL launch
     if config is None:
         return skinny_linear_ref(x, weight, bias)
@@ -318,9 +313,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace; a tie with cuBLAS only on a
     PDL launch); anything else, and TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear. pdl: launch with programmatic
     dependent launch where pdl_enabled (TRTLLM_DUSTIN_SKINNY_PDL=0 turns it off)."""
-    if os.environ.get("TRTLLM_DUSTIN_SKINNY_LINEAR", "1") == "0":
+    if not switched_on("TRTLLM_DUSTIN_SKINNY_LINEAR"):
         return F.linear(x, weight, bias)
-    pdl = pdl and os.environ.get("TRTLLM_DUSTIN_SKINNY_PDL", "1") != "0"
+    pdl = pdl and switched_on("TRTLLM_DUSTIN_SKINNY_PDL")
     if workspace is None:
         return _skinny_linear_op(x, weight, bias, None, None, pdl)
     return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters, pdl)
