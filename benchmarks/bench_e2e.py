@@ -11,6 +11,9 @@ lengths, so every method captures its CUDA graphs once, as a server
 with a static cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA
 events per phase). Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 
+A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
+(e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
+
     python benchmarks/bench_e2e.py --pair llama-8b --batches 8,16 --contexts 8192,16384,24576,32768,65536
 """
 
@@ -32,6 +35,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
+from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
 from trtllm_dustin.plugins.pdl import pdl_enabled
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
@@ -49,6 +53,17 @@ SWITCHES = {
                       "(plugins/argmax.py, commit.py) instead of torch ops"),
 }
 METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")
+FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
+
+
+def split_method(method: str) -> tuple[str, bool]:
+    """'dustin-h+fp8kv' -> ('dustin-h', True): the registered method and whether its draft cache is fp8."""
+    if method.endswith(FP8_DRAFT):
+        base = method.removesuffix(FP8_DRAFT)
+        if base == "vanilla":
+            raise SystemExit(f"--methods: {method} has no draft; {FP8_DRAFT} applies to speculative methods only")
+        return base, True
+    return method, False
 
 
 @dataclass(frozen=True)
@@ -94,9 +109,11 @@ def stated_acceptance(tau: float, gamma: int) -> tuple[torch.Tensor, float]:
 
 
 def fitting_context(target, draft, batch: int, contexts: list[int], margin: int, device: torch.device,
-                    dtype: torch.dtype) -> int | None:
-    """The longest context whose two caches fit next to the loaded weights (with room for activations)."""
-    per_token = (target.config.kv_bytes_per_token(2) + draft.config.kv_bytes_per_token(2)) * batch
+                    dtype: torch.dtype, fp8_draft: bool = False) -> int | None:
+    """The longest context whose caches (and the fp8 draft cache, if asked for) fit next to the loaded weights
+    (with room for activations)."""
+    per_token = (target.config.kv_bytes_per_token(2) + draft.config.kv_bytes_per_token(2)
+                 + (draft.config.kv_bytes_per_token(1) if fp8_draft else 0)) * batch
     free = available_memory(device) - (6 << 30 if device.type == "cuda" else 1 << 30)
     fits = [c for c in contexts if per_token * (c + margin) <= free]
     return max(fits) if fits else None
@@ -105,7 +122,8 @@ def fitting_context(target, draft, batch: int, contexts: list[int], margin: int,
 def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args, device, dtype) -> list[dict]:
     rounds, gamma = args.rounds, pair.gamma
     margin = (3 * rounds + 8) * (gamma + 1) + 64
-    longest = fitting_context(target, draft, batch, contexts, margin, device, dtype)
+    fp8_draft = any(split_method(m)[1] for m in args.methods)
+    longest = fitting_context(target, draft, batch, contexts, margin, device, dtype, fp8_draft)
     rows = [{"batch": batch, "context": c, "skipped": "KV caches do not fit in device memory"}
             for c in contexts if longest is None or c > longest]
     if longest is None:
@@ -115,15 +133,22 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     dcache = KVCache.allocate(draft.config, batch, S, dtype, device)
     for t in (tcache.k, tcache.v, dcache.k, dcache.v):
         t.normal_()
+    dcache8 = KVCache.allocate(draft.config, batch, S, FP8_KV_DTYPE, device) if fp8_draft else None
+    if dcache8 is not None:
+        for layer in range(draft.config.num_layers):  # the same values, stored as the fp8 cache stores them
+            dcache8.k[layer].copy_(to_cache_dtype(dcache.k[layer], FP8_KV_DTYPE))
+            dcache8.v[layer].copy_(to_cache_dtype(dcache.v[layer], FP8_KV_DTYPE))
     probs, alpha = stated_acceptance(args.tau or pair.tau, gamma)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     clock = Clock(device)
     use_graph = device.type == "cuda"
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     for method in args.methods:
-        decoder = build_decoder(method, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
-                                                    draft_cache=dcache, gamma=gamma, dustin=pair.dustin,
-                                                    use_cuda_graph=use_graph))
+        base, fp8 = split_method(method)
+        draft_cache = dcache8 if fp8 else dcache
+        decoder = build_decoder(base, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
+                                                  draft_cache=draft_cache, gamma=gamma, dustin=pair.dustin,
+                                                  use_cuda_graph=use_graph))
         if method != "vanilla":
             decoder.forced_acceptance = probs.to(device)
         for context in [c for c in contexts if c <= longest]:
@@ -145,7 +170,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                 passes = {}
                 for profile in (False, True):
                     tcache.seqlens.fill_(context)
-                    dcache.seqlens.fill_(context)
+                    draft_cache.seqlens.fill_(context)
                     decoder.after_prefill({}, batch)  # no prefill here: sparse drafting starts from StreamingLLM
                     state = decoder.start(tokens, tokens, batch, config)
                     for _ in range(2):  # warm-up (JIT, graph capture on first use)
@@ -178,7 +203,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
         del decoder
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    del tcache, dcache
+    del tcache, dcache, dcache8
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

@@ -18,7 +18,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PAIRS = {"llama-8b": "Llama-3.1-8B + 3.2-1B (stated tau 2.8)", "qwen-7b": "Qwen2.5-7B + 0.5B (stated tau 2.2)",
          "qwen-14b": "Qwen2.5-14B + 0.5B (stated tau 2.2)"}
 STYLE = {"vanilla": ("black", ":"), "classic": ("tab:gray", "--"), "magicdec": ("tab:blue", "-."),
-         "dustin-h": ("tab:red", "-"), "dustin-h-sparse-draft": ("tab:orange", "-")}
+         "dustin-h": ("tab:red", "-"), "dustin-h-sparse-draft": ("tab:orange", "-"),
+         "classic+fp8kv": ("tab:gray", ":"), "dustin-h+fp8kv": ("tab:red", "--")}
 PHASES = ("draft", "estimate", "select", "verify", "accept")
 
 

@@ -24,6 +24,9 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     batch, t, heads_q, head_dim = q.shape
     kb, heads_kv, s_max, kd = k_cache.shape
     caches = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_cache is not None else [])
+    if v_cache is not None and v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{op}: v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}; "
+                        "pass the same layer's K and V")
     if v_cache is not None and v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
                          f"{tuple(k_cache.shape)}; pass the same layer's K and V")
@@ -42,9 +45,9 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     if q.dtype not in _CACHE_DTYPES:
         raise TypeError(f"{op}: q dtype {q.dtype} is not supported; use bfloat16, float16 or float32")
     for name, cache in caches:
-        if cache.dtype != q.dtype:
+        if cache.dtype != q.dtype and cache.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{op}: {name} dtype {cache.dtype} differs from q dtype {q.dtype}; "
-                            "cast q to the cache dtype")
+                            "cast q to the cache dtype (a cache may also be float8_e4m3fn, read as q's dtype)")
         if cache.stride(-1) != 1:
             raise ValueError(f"{op}: {name} last dim has stride {cache.stride(-1)}; the head dim must be contiguous")
         if cache.device != q.device:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .kv_dtype import is_fp8, store_cast, to_cache_dtype
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .split_kv import runs_triton
 
@@ -90,8 +91,8 @@ def rope_qkv_to_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k = apply_rope(k.reshape(batch, t, num_kv_heads, head_dim), cos, sin)
     batch_idx = torch.arange(batch, device=qkv.device)[:, None]  # [B, 1]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, H_kv, D].
-    k_cache[batch_idx, :, positions] = k
-    v_cache[batch_idx, :, positions] = v.reshape(batch, t, num_kv_heads, head_dim)
+    k_cache[batch_idx, :, positions] = to_cache_dtype(k, k_cache.dtype)
+    v_cache[batch_idx, :, positions] = to_cache_dtype(v.reshape(batch, t, num_kv_heads, head_dim), v_cache.dtype)
     return q.contiguous()
 
 
@@ -113,8 +114,8 @@ def _check_float(op: str, name: str, t: torch.Tensor) -> None:
                          f"{t.stride(-1) if t.dim() else None}; the last dim must be contiguous (call .contiguous())")
 
 
-def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.dtype != ref.dtype:
+def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, fp8_ok: bool = False) -> None:
+    if t.dtype != ref.dtype and not (fp8_ok and is_fp8(t.dtype)):
         raise TypeError(f"{op}: {name} dtype {t.dtype} differs from {ref_name} dtype {ref.dtype}; "
                         f"cast {name} to {ref.dtype}")
     if t.device != ref.device:
@@ -241,7 +242,7 @@ def _rope_qkv_to_cache_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    SOFT_BF16: tl.constexpr, USE_GDC: tl.constexpr = False,
+    SOFT_BF16: tl.constexpr, FP8_CACHE: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):
     """Program (token, head block): heads index the H_q + 2 H_kv heads of the qkv row (q, then k, then v)."""
     gdc_wait_if(USE_GDC)
@@ -272,15 +273,15 @@ def _rope_qkv_to_cache_kernel(
     is_k = (kv_head >= 0) & (kv_head < NUM_KV_HEADS)
     k_head = tl.minimum(tl.maximum(kv_head, 0), NUM_KV_HEADS - 1).to(tl.int64)  # keep masked addresses in range
     k_first = k_cache_ptr + (b * stride_kb + k_head * stride_kh + position * stride_ks)[:, None] + offs[None, :]
-    tl.store(k_first, rot1, mask=is_k[:, None])
-    tl.store(k_first + HALF, rot2, mask=is_k[:, None])
+    tl.store(k_first, store_cast(rot1, FP8_CACHE, k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
+    tl.store(k_first + HALF, store_cast(rot2, FP8_CACHE, k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
 
     v_head = kv_head - NUM_KV_HEADS
     is_v = (v_head >= 0) & head_ok
     v_head = tl.minimum(tl.maximum(v_head, 0), NUM_KV_HEADS - 1).to(tl.int64)
     v_first = v_cache_ptr + (b * stride_vb + v_head * stride_vh + position * stride_vs)[:, None] + offs[None, :]
-    tl.store(v_first, x1, mask=is_v[:, None])
-    tl.store(v_first + HALF, x2, mask=is_v[:, None])
+    tl.store(v_first, store_cast(x1, FP8_CACHE, v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
+    tl.store(v_first + HALF, store_cast(x2, FP8_CACHE, v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
 
 
 def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -291,7 +292,8 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     Launch contract:
       qkv:       [B, T, (H_q + 2 H_kv) * D] bf16 / fp16 / fp32, last dim contiguous, any other strides
       cos, sin:  fp32 [B, T, D/2], last dim contiguous (the tables gathered at the positions)
-      k_cache, v_cache: [B, H_kv, S_max, D] qkv.dtype, last dim contiguous, any other strides (written
+      k_cache, v_cache: [B, H_kv, S_max, D] qkv.dtype or float8_e4m3fn (stored saturated, plugins/kv_dtype.py),
+                 last dim contiguous, any other strides (written
                  at [b, :, positions[b, t], :] only)
       positions: int32 / int64 [B, T], values in [0, S_max) (not checked: that would need a host sync)
       q_out:     [B, T, H_q, D] qkv.dtype, contiguous (written)
@@ -313,7 +315,8 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         v_cache.stride(2),
         t,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, BLOCK_H=block_h,
-        SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False, **gdc_args(pdl_enabled(qkv.device)),
+        SOFT_BF16=_soft_bf16(), FP8_CACHE=is_fp8(k_cache.dtype), num_warps=4, enable_fp_fusion=False,
+        **gdc_args(pdl_enabled(qkv.device)),
     )
 
 
@@ -359,7 +362,7 @@ def _check_rope_inputs(qkv, cos, sin, k_cache, v_cache, positions, num_heads, nu
                 or cache.shape[3] != head_dim:
             raise ValueError(f"{op}: {name} has shape {tuple(cache.shape)}; expected [{batch}, {num_kv_heads}, "
                              f"S_max, {head_dim}] (index the layer out of a [n_layers, B, H_kv, S_max, D] buffer)")
-        _check_like(op, name, cache, "qkv", qkv)
+        _check_like(op, name, cache, "qkv", qkv, fp8_ok=True)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
                          f"{tuple(k_cache.shape)}; pass the same layer's K and V")

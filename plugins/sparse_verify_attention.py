@@ -152,7 +152,9 @@ def _sparse_verify_attention_kernel(
         new_ok = offs_j < tl.where(split == num_splits - 1, T, 0)
         pos_new = seqlen + offs_j
         k_new = tl.load(k_base + pos_new[:, None] * stride_ks + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        k_new = k_new.to(q.dtype)  # an fp8 cache is read as q's dtype
         v_new = tl.load(v_base + pos_new[:, None] * stride_vs + offs_d[None, :], mask=new_ok[:, None], other=0.0)
+        v_new = v_new.to(q.dtype)  # an fp8 cache is read as q's dtype
     else:
         n_items = num_indices + T
     chunk = tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N
@@ -181,15 +183,17 @@ def _sparse_verify_attention_kernel(
             # K and V rows at one offset (the launcher checks stride_vs == stride_ks). A clean tile (64 valid list
             # items, no new token, not past the chunk) needs no mask at all; the others get the full one.
             kv_off = pos[:, None] * stride_ks + offs_d[None, :]
-            k = tl.load(k_base + kv_off, mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + kv_off, mask=col_ok[:, None], other=0.0)
+            k = tl.load(k_base + kv_off, mask=col_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_base + kv_off, mask=col_ok[:, None], other=0.0).to(q.dtype)
             raw = tile_dot(q, tl.trans(k), DOT_MODE)
             if (n0 + BLOCK_N > tl.minimum(end, num_indices)) | (tl.min(idx, 0) < 0):
                 raw = tl.where(_visible(col_ok, from_list, new_token, t_row), raw, float("-inf"))
             m_i, l_i, acc = _softmax_step_raw(raw, qk_scale_log2, m_i, l_i, acc, v, DOT_MODE)
         else:
             k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            k = k.to(q.dtype)  # an fp8 cache is read as q's dtype
             v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = v.to(q.dtype)  # an fp8 cache is read as q's dtype
             m_i, l_i, acc = _attend(q, k, v, t_row, col_ok, from_list, new_token, m_i, l_i, acc, qk_scale_log2,
                                     DOT_MODE)
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)

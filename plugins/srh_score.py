@@ -80,7 +80,7 @@ def _srh_lse_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0).to(q.dtype)
         scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
         if WRITE_RAW:
             tl.store(raw_rows[:, None] + offs_n[None, :], scores,
@@ -161,6 +161,7 @@ def _srh_score_kernel(
             lse2 = tl.load(lse_ptr + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
             k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head * stride_kh
             k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            k = k.to(q.dtype)  # an fp8 cache is read as q's dtype
             scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
             probs = tl.exp2(scores - lse2[:, None])
             probs = tl.where(row_ok[:, None] & col_ok[None, :], probs, 0.0)

@@ -78,8 +78,8 @@ def _verify_attention_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0).to(q.dtype)
         scores = tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2
         visible = col_ok[None, :] & (offs_n[None, :] <= limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))

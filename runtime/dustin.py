@@ -33,11 +33,12 @@ class Dustin(SpeculativeDecoder):
         self.target_capture_layers = tuple(lh.layer for lh in self.cfg.target_layers)
         # Queries of the SRH layers: the draft's Γ lookahead queries, the target's Γ+1 verify queries, and the
         # target's query of the last committed token (its "history" for the next round).
-        self.draft_q = {lh.layer: torch.zeros(B, self.gamma, d.num_heads, d.head_dim, dtype=self.dcache.k.dtype,
-                                              device=dev) for lh in self.cfg.draft_layers}
-        self.verify_q = {lh.layer: torch.zeros(B, self.gamma + 1, t.num_heads, t.head_dim, dtype=self.tcache.k.dtype,
-                                               device=dev) for lh in self.cfg.target_layers}
-        self.history_q = {layer: torch.zeros(B, 1, t.num_heads, t.head_dim, dtype=self.tcache.k.dtype, device=dev)
+        dq, tq = self.draft.embed.weight.dtype, self.target.embed.weight.dtype  # the models', not the caches' dtype
+        self.draft_q = {lh.layer: torch.zeros(B, self.gamma, d.num_heads, d.head_dim, dtype=dq, device=dev)
+                        for lh in self.cfg.draft_layers}
+        self.verify_q = {lh.layer: torch.zeros(B, self.gamma + 1, t.num_heads, t.head_dim, dtype=tq, device=dev)
+                         for lh in self.cfg.target_layers}
+        self.history_q = {layer: torch.zeros(B, 1, t.num_heads, t.head_dim, dtype=tq, device=dev)
                           for layer in self.verify_q}
         self.s_draft = torch.zeros(B, S, dtype=torch.float32, device=dev)
         self.s_target = torch.zeros(B, S, dtype=torch.float32, device=dev)

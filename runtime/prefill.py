@@ -44,7 +44,8 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
     view = slot_view(cache, B)
     view.seqlens.zero_()
     last_logits = torch.zeros(B, config.vocab_size, dtype=torch.float32, device=device)
-    last_queries = {layer: torch.zeros(B, config.num_heads, config.head_dim, dtype=cache.k.dtype, device=device)
+    qdtype = model.embed.weight.dtype  # the model's: the cache may be fp8
+    last_queries = {layer: torch.zeros(B, config.num_heads, config.head_dim, dtype=qdtype, device=device)
                     for layer in capture_layers}
     for start in range(0, longest, chunk):
         end = min(start + chunk, longest)
@@ -53,7 +54,7 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
         capture = None
         if capture_layers:
             capture = QueryCapture(tuple(capture_layers), {
-                layer: torch.empty(B, end - start, config.num_heads, config.head_dim, dtype=cache.k.dtype,
+                layer: torch.empty(B, end - start, config.num_heads, config.head_dim, dtype=qdtype,
                                    device=device) for layer in capture_layers})
         logits = model(tokens[:, start:end], view, meta, backend, logit_index=in_chunk, capture=capture)
         ends_here = ((lens - 1) >= start) & ((lens - 1) < end)  # [B]

@@ -10,6 +10,10 @@ full attention streams positions [0, L_b), an index set I reads rows I (a 256-by
 bf16), and sinks + a recent window are two contiguous ranges. New tokens of a forward pass are
 written at positions L_b .. L_b+T-1 before attention runs; `seqlens` advances only when the caller
 commits them, so rejected speculative tokens are simply overwritten later.
+
+dtype is the model's (bf16 / fp16 / fp32) or float8_e4m3fn, which halves a step's cache reads: values are stored
+saturated at +-448 and every reader upcasts them to its query's dtype (`trtllm_dustin.plugins.kv_dtype`). Meant for
+a speculative draft's cache, whose precision moves only the acceptance rate, never the target's verdicts.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from trtllm_dustin.config import ModelConfig
+from trtllm_dustin.plugins.kv_dtype import to_cache_dtype
 
 __all__ = ["KVCache", "MemoryPlanError", "available_memory", "check_fits"]
 
@@ -108,8 +113,8 @@ class KVCache:
         k_layer, v_layer = self.layer(index)
         batch = torch.arange(k_new.shape[0], device=k_new.device)[:, None]  # [B, 1]
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, H_kv, D].
-        k_layer[batch, :, positions] = k_new
-        v_layer[batch, :, positions] = v_new
+        k_layer[batch, :, positions] = to_cache_dtype(k_new, k_layer.dtype)
+        v_layer[batch, :, positions] = to_cache_dtype(v_new, v_layer.dtype)
 
     def reset(self) -> None:
         self.seqlens.zero_()

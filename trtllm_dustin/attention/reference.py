@@ -48,6 +48,7 @@ class ReferenceAttention(AttentionBackend):
             S = k_cache.shape[2] if meta.max_kv_len is None else min(meta.max_kv_len, k_cache.shape[2])
             k, v = k_cache[:, :, :S], v_cache[:, :, :S]
             mask = full_attention_mask(meta.cache_seqlens, T, S)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a no-op unless the cache is fp8
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=Hq != k.shape[1])  # [B, H_q, T, D]
         return out.transpose(1, 2)

@@ -1,0 +1,55 @@
+"""FP8 (e4m3) KV caches: how values go in and come out, shared by every kernel that touches a cache.
+
+A cache of dtype float8_e4m3fn stores each K/V element as it is (no per-tensor scale), saturated to
++-448, the format's largest finite value, so an outlier becomes 448 instead of inf. Kernels load a
+tile of such a cache and upcast it to the query's dtype before any arithmetic; the references do the
+same with `.to(float32)`. This halves the bytes a decode step reads from the cache. The use it was
+built for is the draft's cache in speculative decoding: the draft only proposes tokens, the target
+(kept in bf16) decides them. The SmolLM2 draft's K and V peak at 21 and 14 over a 4K prompt, far
+inside the range; values below 2^-9 (about 0.002) round to zero.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["FP8_KV_DTYPE", "FP8_MAX", "KV_DTYPES", "is_fp8", "store_cast", "to_cache_dtype"]
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# What a cache may hold, by the name users type (--draft-kv-cache).
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": FP8_KV_DTYPE}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_KV_DTYPE
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype: a plain cast, saturating at +-448 for an fp8 cache (what the kernels store)."""
+    if is_fp8(dtype):
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, subnormals included: done in fp32
+    arithmetic so the final conversion is exact everywhere (the Triton interpreter's own fp32 -> fp8 conversion
+    drops the carry when rounding up across a power of two: 7.9 -> 4.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6 the grid is the subnormals' fixed 2^-9
+    inv_step = ((130 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): 3 mantissa bits
+    step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer, ties to even
+    rounded = ((tl.abs(x) * inv_step + magic) - magic) * step
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
+
+
+@triton.jit
+def store_cast(x, FP8: tl.constexpr, out_dtype: tl.constexpr):
+    """x converted for a store into a cache of element type out_dtype (saturating and rounded as torch's cast
+    when FP8)."""
+    if FP8:
+        return _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)).to(out_dtype)
+    return x.to(out_dtype)
