@@ -24,9 +24,6 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     batch, t, heads_q, head_dim = q.shape
     kb, heads_kv, s_max, kd = k_cache.shape
     caches = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_cache is not None else [])
-    if v_cache is not None and v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"{op}: v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}; "
-                        "pass the same layer's K and V")
     if v_cache is not None and v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
                          f"{tuple(k_cache.shape)}; pass the same layer's K and V")
@@ -52,6 +49,9 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_ca
             raise ValueError(f"{op}: {name} last dim has stride {cache.stride(-1)}; the head dim must be contiguous")
         if cache.device != q.device:
             raise ValueError(f"{op}: {name} is on {cache.device} but q is on {q.device}; put them on one device")
+    if v_cache is not None and v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{op}: v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}; "
+                        "pass the same layer's K and V")
     if q.stride(-1) != 1:
         raise ValueError(f"{op}: q last dim has stride {q.stride(-1)}; the head dim must be contiguous")
     if cache_seqlens.shape != (batch,) or cache_seqlens.dtype != torch.int32:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
+from .kv_dtype import compute_q
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .reference import sparse_verify_attention_ref
 from .split_kv import (
@@ -140,6 +141,7 @@ def _sparse_verify_attention_kernel(
     idx_base = indices_ptr + b.to(tl.int64) * stride_ib
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     q, t_row, head, row_ok = _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs_d, T, GROUP)
+    q = compute_q(q, k_ptr)
     seqlen = tl.load(seqlens_ptr + b)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
+from .kv_dtype import compute_q
 from .reference import srh_score_ref
 from .split_kv import LOG2E, NEG_BIG, dot_mode, pick_num_splits, runs_triton, tile_dot
 
@@ -65,7 +66,7 @@ def _srh_lse_kernel(
     sel = g * GROUP_ROWS + offs_m % GROUP_ROWS  # column of q_sel
     row_ok = (t_row < T) & (offs_m % GROUP_ROWS < group_size)
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + sel * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = compute_q(tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0), k_ptr)
 
     seqlen = tl.load(seqlens_ptr + b)
     limit = seqlen + t_row
@@ -156,7 +157,7 @@ def _srh_score_kernel(
             sel = g * GROUP_ROWS + offs_m % GROUP_ROWS
             row_ok = (t_row < T) & (offs_m % GROUP_ROWS < group_size)
             q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + sel * stride_qh
-            q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            q = compute_q(tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0), k_ptr)
             lse_off = b.to(tl.int64) * stride_lb + t_row * stride_lt + sel * stride_lh
             lse2 = tl.load(lse_ptr + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
             k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head * stride_kh

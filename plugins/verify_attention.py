@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
+from .kv_dtype import compute_q
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .reference import verify_attention_ref
 from .split_kv import (
@@ -61,7 +62,7 @@ def _verify_attention_kernel(
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = compute_q(tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0), k_ptr)
 
     seqlen = tl.load(seqlens_ptr + b)
     limit = seqlen + t_row  # last position each row may see
