@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from functools import partial
 
 import torch
 from common import RESULTS, environment, graph_ms, save_json
@@ -51,8 +52,8 @@ def main() -> None:
             configs = [None] + list(itertools.product((128, 256, 512), (4, 8), (3, 4)))
             for config in configs:
                 extra = {} if config is None else dict(block_n=config[0], num_warps=config[1], num_stages=config[2])
-                calls = [lambda k=k, v=v, e=extra: verify_attention_forward(
-                    q, k, v, seqlens, 1 / math.sqrt(head_dim), out, lse, max_seqlen=L + t, **e) for k, v in caches]
+                calls = [partial(verify_attention_forward, q, k, v, seqlens, 1 / math.sqrt(head_dim), out, lse,
+                                 max_seqlen=L + t, **extra) for k, v in caches]
                 try:
                     us = graph_ms(calls, args.replays) * 1e3
                 except Exception as error:  # a config that does not compile (shared memory) is reported, not fatal
