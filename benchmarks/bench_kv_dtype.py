@@ -14,6 +14,7 @@ import argparse
 import itertools
 import math
 from functools import partial
+from pathlib import Path
 
 import torch
 from common import RESULTS, environment, graph_ms, save_json
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--tokens", default="1,2", help="query tokens per sequence (comma-separated)")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", default=str(RESULTS / "kv_dtype_h200.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype_h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kv_dtype.py needs a CUDA device")
@@ -49,9 +50,12 @@ def main() -> None:
             out = torch.empty_like(q)
             lse = torch.empty(B, t, heads_kv * group, device=dev, dtype=torch.float32)
             cache_bytes = 2 * B * heads_kv * (L + t) * head_dim * caches[0][0].element_size()
-            configs = [None] + list(itertools.product((128, 256, 512), (4, 8), (3, 4)))
+            configs = [None] + list(itertools.product((128, 256), (4, 8), (3,), (1, 2, 4), (False,)))
+            if dtype == FP8_KV_DTYPE:
+                configs += list(itertools.product((128, 256), (4, 8), (3,), (1, 2), (True,)))
             for config in configs:
-                extra = {} if config is None else dict(block_n=config[0], num_warps=config[1], num_stages=config[2])
+                extra = {} if config is None else dict(block_n=config[0], num_warps=config[1], num_stages=config[2],
+                                                       num_splits=config[3], fp8_dot=config[4])
                 calls = [partial(verify_attention_forward, q, k, v, seqlens, 1 / math.sqrt(head_dim), out, lse,
                                  max_seqlen=L + t, **extra) for k, v in caches]
                 try:
@@ -59,8 +63,12 @@ def main() -> None:
                 except Exception as error:  # a config that does not compile (shared memory) is reported, not fatal
                     rows.append({"cache": name, "tokens": t, "config": extra or "default", "error": str(error)[:200]})
                     continue
+                if config is None:  # the last layer's output, to which every other config is compared
+                    baseline = out.float().clone()
+                err = float((out.float() - baseline).norm() / baseline.norm())
                 row = {"cache": name, "tokens": t, "config": extra or "default", "us_per_launch": us,
-                       "cache_bytes": cache_bytes, "tb_per_s": cache_bytes / us / 1e6}
+                       "cache_bytes": cache_bytes, "tb_per_s": cache_bytes / us / 1e6,
+                       "rel_diff_vs_default": err}
                 rows.append(row)
                 print(row, flush=True)
         del caches

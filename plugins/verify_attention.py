@@ -46,7 +46,7 @@ def _verify_attention_kernel(
     batch, num_kv_heads, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, FP8_DOT: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     pair = tl.program_id(1)
@@ -62,7 +62,11 @@ def _verify_attention_kernel(
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
-    q = compute_q(tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0), k_ptr)
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if FP8_DOT:  # experiment: both products on fp8 operands (q and p rounded to e4m3)
+        q = q.to(k_ptr.dtype.element_ty)
+    else:
+        q = compute_q(q, k_ptr)
 
     seqlen = tl.load(seqlens_ptr + b)
     limit = seqlen + t_row  # last position each row may see
@@ -93,7 +97,7 @@ def _verify_attention_kernel(
 
 def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse, *,
                              max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3,
-                             pdl=None):
+                             pdl=None, fp8_dot=False):
     """Launch the full-cache verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -135,7 +139,7 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
         batch, heads_kv, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
+        num_warps=num_warps, num_stages=num_stages, FP8_DOT=fp8_dot, **gdc_args(use_gdc),
     )
     if not direct:
         combine_splits(o_part, ml_part, out, lse, pdl=use_gdc)
