@@ -50,12 +50,11 @@ def main() -> None:
             out = torch.empty_like(q)
             lse = torch.empty(B, t, heads_kv * group, device=dev, dtype=torch.float32)
             cache_bytes = 2 * B * heads_kv * (L + t) * head_dim * caches[0][0].element_size()
-            configs = [None] + list(itertools.product((128, 256), (4, 8), (3,), (1, 2, 4), (False,)))
-            if dtype == FP8_KV_DTYPE:
-                configs += list(itertools.product((128, 256), (4, 8), (3,), (1, 2), (True,)))
+            tiles = (256, 512) if dtype == FP8_KV_DTYPE else (128, 256)
+            configs = [None] + list(itertools.product(tiles, (4, 8), (2, 3, 4), (1, 2, 3)))
             for config in configs:
                 extra = {} if config is None else dict(block_n=config[0], num_warps=config[1], num_stages=config[2],
-                                                       num_splits=config[3], fp8_dot=config[4])
+                                                       num_splits=config[3])
                 calls = [partial(verify_attention_forward, q, k, v, seqlens, 1 / math.sqrt(head_dim), out, lse,
                                  max_seqlen=L + t, **extra) for k, v in caches]
                 try:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
-from .kv_dtype import compute_q
+from .kv_dtype import compute_q, is_fp8
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
 from .reference import verify_attention_ref
 from .split_kv import (
@@ -46,7 +46,7 @@ def _verify_attention_kernel(
     batch, num_kv_heads, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr,
-    USE_GDC: tl.constexpr = False, FP8_DOT: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     pair = tl.program_id(1)
@@ -62,11 +62,7 @@ def _verify_attention_kernel(
     row_ok = t_row < T
     q_off = b.to(tl.int64) * stride_qb + t_row * stride_qt + head * stride_qh
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    if FP8_DOT:  # experiment: both products on fp8 operands (q and p rounded to e4m3)
-        q = q.to(k_ptr.dtype.element_ty)
-    else:
-        q = compute_q(q, k_ptr)
+    q = compute_q(tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0), k_ptr)
 
     seqlen = tl.load(seqlens_ptr + b)
     limit = seqlen + t_row  # last position each row may see
@@ -97,12 +93,13 @@ def _verify_attention_kernel(
 
 def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse, *,
                              max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3,
-                             pdl=None, fp8_dot=False):
+                             pdl=None):
     """Launch the full-cache verify attention kernel (inputs already validated).
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
-      k_cache, v_cache: [B, H_kv, S_max, D] same dtype, last dim contiguous, any other strides
+      k_cache, v_cache: [B, H_kv, S_max, D] same dtype (q's, or float8_e4m3fn: read as fp16 for a bf16 q),
+                     last dim contiguous, any other strides
       cache_seqlens: int32 [B], L_b; positions L_b .. L_b + T - 1 already hold the new tokens
       out:           [B, T, H_q, D] q.dtype, last dim contiguous (written)
       lse:           fp32 [B, T, H_q] contiguous (written, natural log, scale included)
@@ -115,14 +112,20 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
     batch, t, heads_q, head_dim = q.shape
     heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
+    # An fp8 cache's tiles are converted to fp16 before the products, which leaves one program per SM short of the
+    # bandwidth: at the draft's shape (B = 16, 8 KV heads, D = 64, 32K) two programs per SM with 4 warps took a launch
+    # from 231 to 186 us (bf16 cache: 243 us; bench_kv_dtype.py, kv_dtype_h200.json).
+    fp8 = is_fp8(k_cache.dtype)
     if num_splits is None:
         bound = s_max if max_seqlen is None else min(max_seqlen, s_max)
-        num_splits = pick_num_splits(batch * heads_kv, bound, MIN_KEYS_PER_SPLIT, q.device)
+        num_splits = pick_num_splits(batch * heads_kv, bound, MIN_KEYS_PER_SPLIT, q.device,
+                                     programs_per_sm=2 if fp8 else 1)
     block_m = max(16, triton.next_power_of_2(t * group))
     if block_n is None:  # a 32 KB K tile (bf16: 128 keys at D=128, 256 at D=64): 3 stages of K + V fit in smem
         block_n = min(256, 32768 // (head_dim * q.element_size()) // (2 if block_m >= 128 else 1))
     if num_warps is None:  # 4 warps beat 8 by 1.3-1.7x even for a [64, 128] tile (H200 sweep); 256-key tiles
-        num_warps = 8 if block_m >= 128 or block_n >= 256 else 4  # take 8 (D=64 draft steps: 247 vs 252 us)
+        # take 8 over a bf16 cache (D=64 draft steps: 247 vs 252 us), 4 over an fp8 one (186 vs 236 us)
+        num_warps = 8 if block_m >= 128 or (block_n >= 256 and not fp8) else 4
     direct = num_splits == 1
     use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
     if direct:
@@ -139,7 +142,7 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
         batch, heads_kv, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, FP8_DOT=fp8_dot, **gdc_args(use_gdc),
+        num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
     if not direct:
         combine_splits(o_part, ml_part, out, lse, pdl=use_gdc)
