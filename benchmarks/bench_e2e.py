@@ -52,8 +52,9 @@ SWITCHES = {
     "round-kernels": ("TRTLLM_DUSTIN_ROUND_KERNELS", "greedy argmax and the round commit as Triton kernels "
                       "(plugins/argmax.py, commit.py) instead of torch ops"),
 }
-METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
+METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "classic" + FP8_DRAFT,
+           "dustin-h" + FP8_DRAFT)
 
 
 def split_method(method: str) -> tuple[str, bool]:

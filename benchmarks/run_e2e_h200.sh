@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/e2e_h200.{json,csv} and its plots on one H200 (about 4 minutes of GPU time):
+# Reproduces benchmarks/results/e2e_h200.{json,csv} and its plots on one H200 (about 5 minutes of GPU time):
 #   bash benchmarks/run_e2e_h200.sh
 set -euo pipefail
 cd "$(dirname "$0")"
