@@ -385,7 +385,8 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     [B, H_kv, S_max, D] (any strides but the last); positions int64 / int32 [B, T]. Rotates q and k with the
     half-split layout in fp32, writes k and v to cache[b, :, positions[b, t]] and returns the rotated
     q [B, T, H_q, D] (new, contiguous). Positions must lie in [0, S_max) and be distinct within a sequence;
-    they are not checked, since reading them would stall the host (and break CUDA-graph capture).
+    they are not checked, since reading them would stall the host (and break CUDA-graph capture). Caches may be
+    float8_e4m3fn: k and v are then stored saturated at +-448 and rounded as torch's cast rounds (plugins/kv_dtype.py).
     """
     _check_rope_inputs(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim)
     return _rope_qkv_to_cache_op(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim)

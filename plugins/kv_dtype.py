@@ -1,24 +1,22 @@
 """FP8 (e4m3) KV caches: how values go in and come out, shared by every kernel that touches a cache.
 
-A cache of dtype float8_e4m3fn stores each K/V element as it is (no per-tensor scale), saturated to
-+-448, the format's largest finite value, so an outlier becomes 448 instead of inf. Kernels load a
-tile of such a cache and upcast it to the query's dtype before any arithmetic; the references do the
-same with `.to(float32)`. This halves the bytes a decode step reads from the cache. The use it was
-built for is the draft's cache in speculative decoding: the draft only proposes tokens, the target
-(kept in bf16) decides them. The SmolLM2 draft's K and V peak at 21 and 14 over a 4K prompt, far
-inside the range; values below 2^-9 (about 0.002) round to zero.
+A cache of dtype float8_e4m3fn stores each K/V element as it is (no per-tensor scale), saturated to +-448, the
+format's largest finite value, so an outlier becomes 448 instead of inf. Kernels load a tile of such a cache and
+upcast it before any arithmetic (to fp16 for a bf16 query, `compute_q`; to the query's dtype otherwise); the
+references do the same with `.to(float32)`. This halves the bytes a decode step reads from the cache. The use it was
+built for is the draft's cache in speculative decoding: the draft only proposes tokens, the target (kept in bf16)
+decides them. The SmolLM2 draft's K and V peak at 21 and 14 over a 4K prompt, far inside the range; values below
+2^-10 (about 0.001) round to zero.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_KV_DTYPE", "FP8_MAX", "KV_DTYPES", "compute_q", "is_fp8", "store_cast", "to_cache_dtype"]
+__all__ = ["FP8_KV_DTYPE", "FP8_MAX", "compute_q", "is_fp8", "store_cast", "to_cache_dtype"]
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# What a cache may hold, by the name users type (--draft-kv-cache).
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": FP8_KV_DTYPE}
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -229,7 +229,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
-      k_cache, v_cache: [B, H_kv, S_max, D] same dtype, last dim contiguous, any other strides
+      k_cache, v_cache: [B, H_kv, S_max, D] same dtype (q's, or float8_e4m3fn: plugins/kv_dtype.py), last dim
+                     contiguous, any other strides
       cache_seqlens: int32 [B], L_b; positions L_b .. L_b + T - 1 already hold the new tokens
       indices:       int32 [B, K], last dim contiguous; valid entries unique in [0, L_b), padding -1
       out:           [B, T, H_q, D] q.dtype, last dim contiguous (written)

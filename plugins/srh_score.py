@@ -192,7 +192,8 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
-      k_cache:       [B, H_kv, S_max, D] same dtype, last dim contiguous, any other strides
+      k_cache:       [B, H_kv, S_max, D] q's dtype or float8_e4m3fn (plugins/kv_dtype.py), last dim contiguous,
+                     any other strides
       cache_seqlens: int32 [B], L_b; the T new tokens' keys are at L_b .. L_b + T - 1
       head_ids:      static tuple of distinct query heads (H_kv <= 256)
       lse:           fp32 [B, T, H_q] natural-log denominators of the same queries, or None

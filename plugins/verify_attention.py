@@ -114,7 +114,7 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
     group = heads_q // heads_kv
     # An fp8 cache's tiles are converted to fp16 before the products, which leaves one program per SM short of the
     # bandwidth: at the draft's shape (B = 16, 8 KV heads, D = 64, 32K) two programs per SM with 4 warps took a launch
-    # from 231 to 186 us (bf16 cache: 243 us; bench_kv_dtype.py, kv_dtype_h200.json).
+    # from 231 to 186 us (bf16 cache: 243 us; bench_kv_dtype.py, benchmarks/results/fp8_kv/kv_dtype_sweep*_h200.json).
     fp8 = is_fp8(k_cache.dtype)
     if num_splits is None:
         bound = s_max if max_seqlen is None else min(max_seqlen, s_max)
