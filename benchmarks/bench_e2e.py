@@ -260,6 +260,8 @@ def main() -> None:
     for flag, (env, _) in SWITCHES.items():
         os.environ[env] = "1" if getattr(args, flag.replace("-", "_")) == "on" else "0"
     args.methods = args.methods.split(",")
+    for method in args.methods:  # a bad +fp8kv name fails here, before the models load
+        split_method(method)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = PAIRS[args.pair]
