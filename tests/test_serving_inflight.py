@@ -182,6 +182,24 @@ def test_stop_strings_across_pieces() -> None:
     assert CodepointCodec(300).decode(CodepointCodec(300).encode("Az\u0101")) == "Az\u0101"
 
 
+def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
+    """Classic SD with the draft's cache in fp8 answers exactly as the runtime with a full-precision draft cache."""
+    fp8 = SERVED.with_(methods=("classic",), draft_kv_cache="fp8", queue_size=4)
+    assert ServingConfig.from_json(fp8.to_json()) == fp8
+    with reference_kernels():
+        eng = ServingEngine.from_config(fp8)
+        try:
+            assert eng.batchers["classic"].decoder.dcache.k.dtype == torch.float8_e4m3fn
+            requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
+            for r, chunks in zip(requests, _run(eng, requests), strict=True):
+                assert all(c.error is None for c in chunks)
+                assert "".join(c.text for c in chunks) == direct_text("classic", r.text, 16)
+        finally:
+            eng.close()
+    with pytest.raises(ValueError, match="draft_kv_cache 'int4' must be 'model' or 'fp8'"):
+        SERVED.with_(draft_kv_cache="int4")
+
+
 def test_serving_config_round_trips_and_validates(tmp_path: Path) -> None:
     assert ServingConfig.from_json(SERVED.to_json()) == SERVED
     with pytest.raises(ValueError, match="need a draft model"):

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="attention backend (default: triton on cuda, reference on cpu)")
     repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
+    repo.add_argument("--draft-kv-cache", choices=["model", "fp8"], default="model",
+                      help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads)")
     repo.add_argument("--no-cuda-graph", action="store_true", help="run decode phases eagerly on cuda")
     repo.add_argument("--no-decoupled", action="store_true",
                       help="plain request/response model (HTTP infer; no streaming, batches per execute call)")
@@ -266,8 +268,9 @@ def _triton_repo(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, methods=tuple(args.method),
         dustin=DustinConfig.load(args.dustin_config) if args.dustin_config else None, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
-        backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, use_cuda_graph=not args.no_cuda_graph,
-        decoupled=not args.no_decoupled, weights_seed=args.seed, chat_template=args.chat_template)
+        backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,
+        use_cuda_graph=not args.no_cuda_graph, decoupled=not args.no_decoupled, weights_seed=args.seed,
+        chat_template=args.chat_template)
     model_dir = write_model_repository(args.out, config, args.name)
     print(f"wrote {model_dir} (methods {', '.join(config.methods)}; default {config.method}; "
           f"{'decoupled' if config.decoupled else 'non-decoupled'})")

@@ -34,6 +34,7 @@ class ServingConfig:
     backend: str | None = None  # attention backend; None = triton on cuda, reference on cpu
     gamma: int = 3  # draft tokens per speculative round
     draft_budget: int = 512  # MagicDec: the draft's StreamingLLM KV budget
+    draft_kv_cache: str = "model"  # the draft's KV cache: "model" (its dtype) or "fp8" (e4m3, half the reads)
     use_cuda_graph: bool = True  # replay captured decode phases on cuda
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
     decoupled: bool = True  # Triton's decoupled transaction policy: streaming and in-flight batching
@@ -66,6 +67,8 @@ class ServingConfig:
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} must be one of {_DTYPES}")
+        if self.draft_kv_cache not in ("model", "fp8"):
+            raise ConfigError(f"draft_kv_cache {self.draft_kv_cache!r} must be 'model' or 'fp8'")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")
 
