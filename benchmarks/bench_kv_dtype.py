@@ -3,9 +3,9 @@
 The draft's shape (Llama-3.2-1B: 8 KV heads, 32 query heads, head dim 64), batch 16, 32K context, one to Γ+1
 query tokens, one launch per layer over 16 distinct layer caches (so nothing is served from L2), all 16 in one CUDA
 graph. Reports microseconds per launch and the cache bytes read per second, for each (block_n, num_warps,
-num_stages), and which the launcher picks by default. Needs CUDA.
+num_stages, num_splits) and for the launcher's default, with each output's distance from the default's. Needs CUDA.
 
-    python benchmarks/bench_kv_dtype.py --out benchmarks/results/kv_dtype_h200.json
+    python benchmarks/bench_kv_dtype.py --out benchmarks/results/fp8_kv/kv_dtype_h200.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--tokens", default="1,2", help="query tokens per sequence (comma-separated)")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype_h200.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fp8_kv" / "kv_dtype_h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kv_dtype.py needs a CUDA device")

@@ -44,7 +44,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE
+from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.baselines import SelectionVerifier
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
@@ -100,11 +100,11 @@ class Prefilled:
 
 @torch.inference_mode()
 def prefill_batch(target, draft, prompts: list[list[int]], max_len: int, dtype, device, backend,
-                  draft_kv_dtype: torch.dtype | None = None) -> Prefilled:
-    """draft_kv_dtype: the draft cache's dtype (default: the models' dtype; FP8_KV_DTYPE for an fp8 draft cache)."""
+                  draft_cache: str = "model") -> Prefilled:
+    """draft_cache: the draft cache's dtype, one of DRAFT_KV_CHOICES (the models' dtype, or fp8)."""
     B = len(prompts)
     tcache = KVCache.allocate(target.config, B, max_len, dtype, device)
-    dcache = KVCache.allocate(draft.config, B, max_len, draft_kv_dtype or dtype, device)
+    dcache = KVCache.allocate(draft.config, B, max_len, draft_kv_dtype(draft_cache, dtype), device)
     logits, queries = prefill(target, tcache, backend, prompts, PREFILL_CHUNK, tuple(range(target.config.num_layers)))
     prefill(draft, dcache, backend, prompts, PREFILL_CHUNK)
     work = KVCache(dcache.k.clone(), dcache.v.clone(), dcache.seqlens.clone())
@@ -224,8 +224,7 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
                       f"{new_tokens} (re-save the tasks with --new-tokens {args.new_tokens} for longer ones)")
             prompts = [s.prompt for s in batch]
             max_len = max(len(p) for p in prompts) + new_tokens + args.gamma + 8
-            pre = prefill_batch(target, draft, prompts, max_len, dtype, device, backend,
-                                FP8_KV_DTYPE if args.draft_kv_cache == "fp8" else None)
+            pre = prefill_batch(target, draft, prompts, max_len, dtype, device, backend, args.draft_kv_cache)
             full_lp = None
             for variant in variants(args.methods, args.budgets, args.m_sweep):
                 t0 = time.perf_counter()
@@ -435,7 +434,7 @@ def main() -> None:
     parser.add_argument("--m-sweep", type=float, nargs="*", default=[0, 0.25, 0.5, 0.75, 1] if cuda else [0, 1],
                         help="dustin-h's m as fractions of k - sinks - recent; the best is the oracle m")
     parser.add_argument("--gamma", type=int, default=3)
-    parser.add_argument("--draft-kv-cache", choices=["model", "fp8"], default="model",
+    parser.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                         help="the draft's KV cache dtype: the model's, or fp8 (e4m3; the target's stays the model's)")
     parser.add_argument("--batch-size", type=int, default=8 if cuda else 2)
     parser.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE
+from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.vanilla import GenerationConfig
 
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=None, help="test windows from --save-prompts")
     parser.add_argument("--save-prompts", type=Path, default=None, help="write the test documents' tokens; exit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--draft-kv-cache", choices=["model", "fp8"], default="model",
+    parser.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                         help="the draft's KV cache dtype: the model's, or fp8 (e4m3; the target's stays the model's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -140,7 +140,7 @@ def main() -> None:
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
-    draft_kv_dtype = FP8_KV_DTYPE if args.draft_kv_cache == "fp8" else dtype
+    draft_dtype = draft_kv_dtype(args.draft_kv_cache, dtype)
     documents = load_documents(args.prompts, target.tokenizer)
     rows = []
     for context in args.contexts:
@@ -158,7 +158,7 @@ def main() -> None:
                     setup = MethodSetup(
                         target=target.model, backend=backend, draft=draft, gamma=gamma, dustin=dustin,
                         target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
-                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_kv_dtype, device))
+                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device))
                     result = build_decoder(args.method, setup).generate(batch, GenerationConfig(
                         max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024))
                     hist = [a + b for a, b in zip(hist, result.committed_hist, strict=True)]

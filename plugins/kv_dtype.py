@@ -13,10 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_KV_DTYPE", "FP8_MAX", "compute_q", "is_fp8", "store_cast", "to_cache_dtype"]
+__all__ = ["DRAFT_KV_CHOICES", "FP8_KV_DTYPE", "FP8_MAX", "compute_q", "draft_kv_dtype", "is_fp8", "store_cast",
+           "to_cache_dtype"]
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+# What --draft-kv-cache / ServingConfig.draft_kv_cache accept: the model's dtype, or fp8.
+DRAFT_KV_CHOICES = ("model", "fp8")
+
+
+def draft_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The draft cache's dtype for a DRAFT_KV_CHOICES name."""
+    if choice not in DRAFT_KV_CHOICES:
+        raise ValueError(f"draft KV cache {choice!r} must be one of {DRAFT_KV_CHOICES}")
+    return FP8_KV_DTYPE if choice == "fp8" else model_dtype
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
-from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE
+from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.speculative import SpeculativeResult
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "default with the default model: its packaged distilled draft)")
     gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
-    gen.add_argument("--draft-kv-cache", choices=["model", "fp8"], default="model",
+    gen.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                      help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads; "
                           "only the acceptance rate can change, the target's cache stays in --dtype)")
     gen.add_argument("--dustin-config", type=Path, default=None,
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="attention backend (default: triton on cuda, reference on cpu)")
     repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
-    repo.add_argument("--draft-kv-cache", choices=["model", "fp8"], default="model",
+    repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                       help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads)")
     repo.add_argument("--no-cuda-graph", action="store_true", help="run decode phases eagerly on cuda")
     repo.add_argument("--no-decoupled", action="store_true",
@@ -234,11 +234,11 @@ def _generate(args: argparse.Namespace) -> int:
     draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1,
                        share_with=loaded.model).model if speculative else None
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"))
-    draft_kv_dtype = FP8_KV_DTYPE if args.draft_kv_cache == "fp8" else dtype
     decoder = build_decoder(args.method, MethodSetup(
         target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),
         backend=backend, draft=draft,
-        draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len, draft_kv_dtype, device)
+        draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len,
+                                     draft_kv_dtype(args.draft_kv_cache, dtype), device)
         if draft else None,
         gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, use_cuda_graph=not args.no_cuda_graph))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,

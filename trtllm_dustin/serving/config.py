@@ -9,6 +9,7 @@ from typing import Any
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
 from trtllm_dustin.runtime.methods import METHODS
 
 __all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
@@ -67,7 +68,7 @@ class ServingConfig:
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} must be one of {_DTYPES}")
-        if self.draft_kv_cache not in ("model", "fp8"):
+        if self.draft_kv_cache not in DRAFT_KV_CHOICES:
             raise ConfigError(f"draft_kv_cache {self.draft_kv_cache!r} must be 'model' or 'fp8'")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")

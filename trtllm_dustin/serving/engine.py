@@ -23,7 +23,7 @@ import torch
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE
+from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
@@ -130,7 +130,7 @@ class ServingEngine:
             needs_draft = method != "vanilla"
             target_cache = KVCache.allocate(loaded.model.config, config.max_batch, config.max_seq_len, dtype, device)
             draft_cache = KVCache.allocate(draft.config, config.max_batch, config.max_seq_len,
-                                           FP8_KV_DTYPE if config.draft_kv_cache == "fp8" else dtype, device) \
+                                           draft_kv_dtype(config.draft_kv_cache, dtype), device) \
                 if needs_draft else None
             decoder = build_decoder(method, MethodSetup(
                 target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
