@@ -39,7 +39,6 @@ import torch
 from common import RESULTS, environment, save_json
 from quality_tasks import TASKS, Sample, as_dict, build_samples, sample_from_dict, score
 
-from trtllm_dustin.arr import scaled_m
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
@@ -51,6 +50,7 @@ from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.speculative import SpeculativeDecoder
 from trtllm_dustin.runtime.vanilla import GenerationConfig
+from trtllm_dustin.search.arr import scaled_m
 
 DEFAULT_METHODS = ["classic", "dustin-h", "dustin-t", "dustin-d", "dustin-h-adaptive", "streamingllm", "snapkv",
                    "quest"]

@@ -7,14 +7,14 @@ import itertools
 import pytest
 import torch
 
-from trtllm_dustin.arr import ARREvaluator, arr, future_average, normalise_context, oracle_indices, windowed_arr
-from trtllm_dustin.arr_kl import ARRKLSettings, arr_kl_points, pearson
 from trtllm_dustin.attention import get_backend
-from trtllm_dustin.attention_probe import capture_queries, head_attention
-from trtllm_dustin.attention_trace import AttentionTrace, TraceSettings, collect_trace
 from trtllm_dustin.dustin_config import LayerHeads
 from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.reference import srh_score_ref
+from trtllm_dustin.search.arr import ARREvaluator, arr, future_average, normalise_context, oracle_indices, windowed_arr
+from trtllm_dustin.search.arr_kl import ARRKLSettings, arr_kl_points, pearson
+from trtllm_dustin.search.attention_probe import capture_queries, head_attention
+from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings, collect_trace
 
 POLICY_KWARGS = {
     "target_history": {"target_layers": [0]},

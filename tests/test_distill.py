@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trtllm_dustin.config import ConfigError, ModelConfig
-from trtllm_dustin.distill import DistillConfig, frequent_ids, kd_loss, train_draft
 from trtllm_dustin.models import ModelLoadError, load_model
+from trtllm_dustin.training.distill import DistillConfig, frequent_ids, kd_loss, train_draft
 
 
 def test_kd_loss_is_the_kl_divergence() -> None:

@@ -10,7 +10,7 @@ import pytest
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads, model_fingerprint
 from trtllm_dustin.models import get_preset
-from trtllm_dustin.search import SearchSettings, dustin_config, run_search
+from trtllm_dustin.search.algorithm import SearchSettings, dustin_config, run_search
 
 BEST_M = 137  # the synthetic hybrid ARR peaks here at the deployment budget (k = 512, 492 free slots)
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from trtllm_dustin.arr import ARREvaluator
-from trtllm_dustin.attention_trace import TraceSettings, collect_trace
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.models import load_model
-from trtllm_dustin.search import SearchRecord, SearchSettings, dustin_config, run_search
-from trtllm_dustin.search_plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
+from trtllm_dustin.search.algorithm import SearchRecord, SearchSettings, dustin_config, run_search
+from trtllm_dustin.search.arr import ARREvaluator
+from trtllm_dustin.search.attention_trace import TraceSettings, collect_trace
+from trtllm_dustin.search.plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_plots_are_written_as_png(tmp_path) -> None:
 
 
 def test_cli_defaults_and_errors(tmp_path, capsys) -> None:
-    from trtllm_dustin.search_cli import build_parser, main
+    from trtllm_dustin.search.cli import build_parser, main
 
     args = build_parser().parse_args(["search", "--draft", "preset:x", "--out", str(tmp_path / "d.json")])
     assert (args.budget, args.search_budgets, args.max_draft_layers, args.trials, args.gamma) == (

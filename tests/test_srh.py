@@ -7,9 +7,9 @@ import torch
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import load_model
-from trtllm_dustin.needle_haystack import NEEDLES, build_prompt
-from trtllm_dustin.rouge import rouge1_recall, words
-from trtllm_dustin.srh import SRHResult, SRHSettings, head_scores, identify_srh, needle_mass, top_heads
+from trtllm_dustin.search.needle_haystack import NEEDLES, build_prompt
+from trtllm_dustin.search.rouge import rouge1_recall, words
+from trtllm_dustin.search.srh import SRHResult, SRHSettings, head_scores, identify_srh, needle_mass, top_heads
 
 
 class ByteTokenizer:

@@ -20,7 +20,7 @@ from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.runtime.speculative import SpeculativeResult
 from trtllm_dustin.runtime.vanilla import GenerationConfig
-from trtllm_dustin.search_cli import (
+from trtllm_dustin.search.cli import (
     add_arr_arguments,
     add_search_arguments,
     add_srh_arguments,
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare_distill_data(args: argparse.Namespace) -> int:
-    from trtllm_dustin.distill import prepare_tokens
+    from trtllm_dustin.training.distill import prepare_tokens
 
     tokenizer = load_model(None).tokenizer
     summary = prepare_tokens(tokenizer, args.out, args.seq_len, max_windows=args.max_windows)
@@ -146,7 +146,7 @@ def _prepare_distill_data(args: argparse.Namespace) -> int:
 
 
 def _train_draft(args: argparse.Namespace) -> int:
-    from trtllm_dustin.distill import DistillConfig, train_draft
+    from trtllm_dustin.training.distill import DistillConfig, train_draft
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layers = tuple(int(i) for i in args.init_layers.split(",") if i.strip())

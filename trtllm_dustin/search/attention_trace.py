@@ -25,12 +25,12 @@ import torch
 from tqdm import tqdm
 
 from trtllm_dustin.attention import AttentionBackend, get_backend
-from trtllm_dustin.attention_probe import capture_queries
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.data import split_documents
 from trtllm_dustin.data.windows import token_windows
 from trtllm_dustin.dustin_config import LayerHeads
 from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.search.attention_probe import capture_queries
 
 __all__ = ["AttentionTrace", "TraceSettings", "collect_trace", "validation_windows"]
 

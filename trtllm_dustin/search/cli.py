@@ -1,6 +1,6 @@
 """Command line of the offline search: `srh` (profile SRHs), `arr` (ARR analysis and plots), `search` (Algorithm 1).
 
-`trtllm_dustin.cli` mounts these as `trtllm-dustin srh|arr|search`; `python -m trtllm_dustin.search_cli` runs them
+`trtllm_dustin.cli` mounts these as `trtllm-dustin srh|arr|search`; `python -m trtllm_dustin.search.cli` runs them
 on their own.
 """
 
@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from trtllm_dustin.arr import ARREvaluator, scaled_m
-from trtllm_dustin.arr_kl import ARRKLSettings, arr_kl_points, summarise
-from trtllm_dustin.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL
 from trtllm_dustin.provenance import Provenance
-from trtllm_dustin.search import SearchRecord, SearchSettings, dustin_config, run_search
-from trtllm_dustin.search_plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
-from trtllm_dustin.srh import SRHResult, SRHSettings, identify_srh
+from trtllm_dustin.search.algorithm import SearchRecord, SearchSettings, dustin_config, run_search
+from trtllm_dustin.search.arr import ARREvaluator, scaled_m
+from trtllm_dustin.search.arr_kl import ARRKLSettings, arr_kl_points, summarise
+from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
+from trtllm_dustin.search.plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
+from trtllm_dustin.search.srh import SRHResult, SRHSettings, identify_srh
 
 __all__ = [
     "add_arr_arguments",
@@ -370,7 +370,7 @@ def search_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trtllm_dustin.search_cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m trtllm_dustin.search.cli", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     srh = sub.add_parser("srh", help="identify semantic retrieval heads (needle-in-a-haystack profiling)")
     add_srh_arguments(srh)

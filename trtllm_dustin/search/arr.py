@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trtllm_dustin.attention_trace import AttentionTrace
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.plugins.selection import select_verify_indices, streaming_indices
+from trtllm_dustin.search.attention_trace import AttentionTrace
 
 __all__ = [
     "POLICIES",

@@ -20,12 +20,12 @@ import torch
 from tqdm import tqdm
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata, get_backend
-from trtllm_dustin.attention_probe import head_attention
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.runtime.prefill import prefill
+from trtllm_dustin.search.attention_probe import head_attention
 
 __all__ = ["ARRKLPoint", "ARRKLSettings", "arr_kl_points", "pearson", "summarise"]
 

@@ -20,14 +20,14 @@ import torch
 from tqdm import tqdm
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata, get_backend
-from trtllm_dustin.attention_probe import head_attention
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import LayerHeads, model_fingerprint
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
-from trtllm_dustin.needle_haystack import NEEDLES, NeedlePrompt, build_prompt, decode, haystack_tokens
-from trtllm_dustin.rouge import rouge1_recall
 from trtllm_dustin.runtime.prefill import prefill
+from trtllm_dustin.search.attention_probe import head_attention
+from trtllm_dustin.search.needle_haystack import NEEDLES, NeedlePrompt, build_prompt, decode, haystack_tokens
+from trtllm_dustin.search.rouge import rouge1_recall
 
 __all__ = [
     "SRH_SCHEMA_VERSION",

@@ -1,0 +1,1 @@
+"""Training of drafts: distillation of a draft from its target (distill.py)."""
