@@ -1,8 +1,9 @@
-"""Vanilla decode-step latency of a random-weight preset at a long context, beside its bandwidth floor.
+"""One-token forward latency of a random-weight preset at a long context, beside its bandwidth floor.
 
 A decode step must read every weight once and every cached K/V byte once; its floor is
-(weight bytes + KV bytes) / 4.26 TB/s. The cache is filled with random values and the step is
-replayed from a CUDA graph at a fixed context, so the number is the steady-state cost of one token.
+(weight bytes + KV bytes) / 4.26 TB/s. The cache is filled with random values and the model's forward of one
+token per sequence is replayed from a CUDA graph at a fixed context (the lengths do not advance), so the number
+is the steady-state cost of the forward alone; bench_e2e.py times whole rounds (sampling and commit included).
 
     python benchmarks/bench_decode.py --model preset:llama-3.1-8b --batch-size 16 --context 32768
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 from common import COPY_BANDWIDTH, RESULTS, environment, save_json, time_cuda
 
-from trtllm_dustin.attention import get_backend
+from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.vanilla import VanillaDecoder
+from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.cuda_graph import CapturedStep
 
 
 def main() -> None:
@@ -55,10 +57,14 @@ def main() -> None:
     floor_ms = (weight_bytes + kv_bytes) / COPY_BANDWIDTH * 1e3
     rows = []
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, 1), device="cuda")
+    kernels = KernelConfig.from_env()
+    model.kernels = kernels
+    meta = AttentionMetadata(cache_seqlens=cache.seqlens)
     for name in args.backends.split(","):
-        decoder = VanillaDecoder(model, cache, get_backend(name), use_cuda_graph=True)
+        backend = get_backend(name, kernels)
+        step = CapturedStep(functools.partial(model, tokens, cache, meta, backend))
         # seqlens are not advanced between replays: every step runs at the same context.
-        times = time_cuda(functools.partial(decoder.decode_one_token, tokens), iters=args.iters)
+        times = time_cuda(step, iters=args.iters)
         med = statistics.median(times)
         rows.append({"backend": name, "median_ms": med, "min_ms": min(times),
                      "tokens_per_s": args.batch_size / med * 1e3, "floor_ms": floor_ms,

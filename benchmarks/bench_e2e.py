@@ -1,15 +1,15 @@
 """End-to-end decoding speed of every method at the paper's model shapes, side by side in one process.
 
-Random weights of the real shapes (a step costs the same whatever the values). Random weights accept
-nothing useful, so speculative rounds commit accepted counts drawn from a stated distribution (a
-truncated geometric with per-token acceptance alpha, solved so that E[accepted + 1] = tau; the paper's
-tau: 2.8 for Llama, 2.2 for Qwen) while every kernel runs for real: these rows are labelled
-"stated tau", and their tokens/s is B * tau / round time at the stated tau (what the timed
-rounds actually committed is kept beside it as tokens_per_s_realized). Per (pair, batch) one
-cache is sized for the longest context that fits and contexts are swept by setting the committed
-lengths, so every method captures its CUDA graphs once, as a server
-with a static cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA
-events per phase). Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
+Random weights of the real shapes (a step costs the same whatever the values). Every method, vanilla included,
+runs the runtime's own round (Decoder.round) from its registry entry. Random weights accept nothing useful, so
+speculative rounds commit accepted counts drawn from a stated distribution (stated_acceptance.py: a truncated
+geometric with per-token acceptance alpha, solved so that E[accepted + 1] = tau; the paper's tau: 2.8 for Llama,
+2.2 for Qwen) while every kernel runs for real: these rows are labelled "stated tau", and their tokens/s is
+B * tau / round time at the stated tau (what the timed rounds actually committed is kept beside it as
+tokens_per_s_realized). Per (pair, batch) one cache is sized for the longest context that fits and contexts are
+swept by setting the committed lengths, so every method captures its CUDA graphs once, as a server with a static
+cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA events per phase).
+Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 
 A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
 (e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import statistics
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -30,41 +29,47 @@ from pathlib import Path
 
 import torch
 from common import COPY_BANDWIDTH, RESULTS, Clock, environment, save_json
+from stated_acceptance import StatedAcceptor, stated_acceptance
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
-from trtllm_dustin.plugins.pdl import pdl_enabled
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.plugins.pdl import pdl_supported
+from trtllm_dustin.runtime.decoder import Decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
-from trtllm_dustin.runtime.vanilla import GenerationConfig
+from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
+from trtllm_dustin.runtime.state import Progress
 
-# Kernel paths that can be turned off for A/B runs: flag -> (environment switch, help); see plugins/switches.py.
+# Kernel paths that can be turned off for A/B runs: flag -> (KernelConfig field, help).
 SWITCHES = {
-    "pdl": ("TRTLLM_DUSTIN_PDL", "programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)"),
-    "skinny-linear": ("TRTLLM_DUSTIN_SKINNY_LINEAR", "decode-sized projections on the Triton skinny-M GEMM "
+    "fused-elementwise": ("fused_elementwise", "run the models' elementwise work as fused kernels "
+                          "(plugins/fused_ops.py)"),
+    "pdl": ("pdl", "programmatic dependent launch for the Triton kernels (plugins/pdl.py; sm_90+ only)"),
+    "skinny-linear": ("skinny_linear", "decode-sized projections on the Triton skinny-M GEMM "
                       "(plugins/skinny_linear.py) instead of cuBLAS; fused path only"),
-    "skinny-pdl": ("TRTLLM_DUSTIN_SKINNY_PDL", "launch the skinny-M GEMM with programmatic dependent launch (sm_90+)"),
-    "skinny-ties": ("TRTLLM_DUSTIN_SKINNY_TIES", "PDL launches of the skinny GEMM also take the shapes where it tied "
-                    "with cuBLAS"),
-    "round-kernels": ("TRTLLM_DUSTIN_ROUND_KERNELS", "greedy argmax and the round commit as Triton kernels "
+    "skinny-pdl": ("skinny_pdl", "launch the skinny-M GEMM with programmatic dependent launch (sm_90+)"),
+    "skinny-ties": ("skinny_ties", "PDL launches of the skinny GEMM also take the shapes where it tied with cuBLAS"),
+    "round-kernels": ("round_kernels", "greedy argmax and the round commit as Triton kernels "
                       "(plugins/argmax.py, commit.py) instead of torch ops"),
 }
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
-METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "classic" + FP8_DRAFT,
-           "dustin-h" + FP8_DRAFT)
+DEFAULT_METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "classic" + FP8_DRAFT,
+                   "dustin-h" + FP8_DRAFT)
 
 
 def split_method(method: str) -> tuple[str, bool]:
     """'dustin-h+fp8kv' -> ('dustin-h', True): the registered method and whether its draft cache is fp8."""
-    if method.endswith(FP8_DRAFT):
-        base = method.removesuffix(FP8_DRAFT)
-        if base == "vanilla":
-            raise SystemExit(f"--methods: {method} has no draft; {FP8_DRAFT} applies to speculative methods only")
-        return base, True
-    return method, False
+    base = method.removesuffix(FP8_DRAFT)
+    if base not in METHODS:
+        raise SystemExit(f"--methods: {base!r} is not a registered method; choose from {', '.join(METHODS)} (a "
+                         f"speculative one may carry {FP8_DRAFT})")
+    if base != method and not METHODS[base].needs_draft:
+        raise SystemExit(f"--methods: {method} has no draft; {FP8_DRAFT} applies to speculative methods only")
+    return base, base != method
 
 
 @dataclass(frozen=True)
@@ -97,18 +102,6 @@ PAIRS = {
 }
 
 
-def stated_acceptance(tau: float, gamma: int) -> tuple[torch.Tensor, float]:
-    """P(accepted = n), n = 0..Γ, for i.i.d. per-token acceptance alpha with E[accepted] + 1 = tau."""
-    if not 1.0 <= tau <= gamma + 1:
-        raise ValueError(f"--tau {tau} must be in [1, gamma + 1 = {gamma + 1}]")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):  # E[accepted] = alpha + ... + alpha^Γ grows with alpha: bisect
-        alpha = (lo + hi) / 2
-        lo, hi = (alpha, hi) if sum(alpha ** i for i in range(1, gamma + 1)) < tau - 1 else (lo, alpha)
-    probs = [alpha ** n * (1 - alpha) for n in range(gamma)] + [alpha ** gamma]
-    return torch.tensor(probs), alpha
-
-
 def fitting_context(target, draft, batch: int, contexts: list[int], margin: int, device: torch.device,
                     dtype: torch.dtype, fp8_draft: bool = False) -> int | None:
     """The longest context whose caches (and the fp8 draft cache, if asked for) fit next to the loaded weights
@@ -118,6 +111,19 @@ def fitting_context(target, draft, batch: int, contexts: list[int], margin: int,
     free = available_memory(device) - (6 << 30 if device.type == "cuda" else 1 << 30)
     fits = [c for c in contexts if per_token * (c + margin) <= free]
     return max(fits) if fits else None
+
+
+def start_at(decoder: Decoder, batch: int, context: int, tokens: torch.Tensor, width: int) -> Progress:
+    """Every slot as if a `context`-token prompt had just been prefilled (the caches hold random K/V instead): the
+    slots' lengths, the drafter's and selector's prompt-time hooks, and a fresh run of up to `width` tokens."""
+    prompts = [[int(t)] * context for t in tokens.tolist()]
+    config = decoder.target.config
+    queries = {layer: torch.zeros(batch, config.num_heads, config.head_dim, dtype=decoder.target.embed.weight.dtype,
+                                  device=tokens.device) for layer in decoder.selector.target_query_layers}
+    decoder.prefilled(slice(0, batch), prompts, queries)
+    progress = Progress.allocate(batch, width, decoder.gamma, (), tokens.device)
+    decoder.begin(progress, slice(0, batch), tokens, prompts, width)
+    return progress
 
 
 def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args, device, dtype) -> list[dict]:
@@ -142,58 +148,47 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     probs, alpha = stated_acceptance(args.tau or pair.tau, gamma)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     clock = Clock(device)
-    use_graph = device.type == "cuda"
-    backend = get_backend("triton" if device.type == "cuda" else "reference")
+    kernels = args.kernels
+    backend = get_backend("triton" if device.type == "cuda" else "reference", kernels)
+    sampling = SlotSampling.batch(SamplingParams(), batch, device)
     for method in args.methods:
         base, fp8 = split_method(method)
-        draft_cache = dcache8 if fp8 else dcache
         decoder = build_decoder(base, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
-                                                  draft_cache=draft_cache, gamma=gamma, dustin=pair.dustin,
-                                                  use_cuda_graph=use_graph))
-        if method != "vanilla":
-            decoder.forced_acceptance = probs.to(device)
+                                                  draft_cache=dcache8 if fp8 else dcache, gamma=gamma,
+                                                  dustin=pair.dustin, use_cuda_graph=device.type == "cuda",
+                                                  kernels=kernels))
+        acceptor = StatedAcceptor(probs.to(device), use_kernel=kernels.round_kernels) if decoder.gamma else None
+        tau = (args.tau or pair.tau) if decoder.gamma else 1.0
         for context in [c for c in contexts if c <= longest]:
             row = {"batch": batch, "context": context, "method": method}
             # Ids both models embed: Qwen2.5-7B's vocabulary (152064) is larger than the 0.5B draft's (151936), and
             # an id past the draft's table trips the draft embedding's device-side assert (seen on the H200).
             tokens = torch.randint(0, min(target.config.vocab_size, draft.config.vocab_size), (batch,), device=device)
-            if method == "vanilla":
-                tcache.seqlens.fill_(context)
-                step = tokens[:, None]
-                decoder.decode_one_token(step)
-                times = [clock(lambda d=decoder, s=step: d.decode_one_token(s)) for _ in range(rounds)]
-                ms = statistics.median(times)
-                floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / COPY_BANDWIDTH
-                row.update(ms_per_round=ms, tokens_per_s=batch / ms * 1e3, floor_ms=floor * 1e3,
-                           fraction_of_floor=floor * 1e3 / ms)
+            passes = {}
+            for profile in (False, True):
+                progress = start_at(decoder, batch, context, tokens, margin)
+                for _ in range(2):  # warm-up (JIT, graph capture on first use)
+                    decoder.round(progress, sampling, acceptor)
+                before = int(progress.generated.sum())
+                timer = PhaseTimer(profile, device)
+                total = clock(lambda d=decoder, pr=progress, ac=acceptor, tm=timer: [
+                    d.round(pr, sampling, ac, tm) for _ in range(rounds)])
+                passes[profile] = (total, int(progress.generated.sum()) - before, timer.totals_ms())
+            total, committed, _ = passes[False]
+            ms = total / rounds
+            # Throughput at the stated tau: a round's work has fixed shapes whatever it accepts, so this is
+            # B * tau per round time; the realized draws (a few hundred) scatter around tau by a few percent,
+            # which would otherwise move the speedup by as much. What the timed rounds committed is kept too.
+            row.update(ms_per_round=ms, tokens_per_s=batch * tau / ms * 1e3, tokens_per_s_realized=committed / total
+                       * 1e3, tau_realized=committed / (batch * rounds),
+                       phase_ms_per_round={k: v / rounds for k, v in passes[True][2].items()})
+            if decoder.gamma:
+                row.update(tau_stated=tau, alpha=alpha, acceptance="stated tau (random weights)")
             else:
-                config = GenerationConfig(max_new_tokens=margin)
-                passes = {}
-                for profile in (False, True):
-                    tcache.seqlens.fill_(context)
-                    draft_cache.seqlens.fill_(context)
-                    decoder.after_prefill({}, batch)  # no prefill here: sparse drafting starts from StreamingLLM
-                    state = decoder.start(tokens, tokens, batch, config)
-                    for _ in range(2):  # warm-up (JIT, graph capture on first use)
-                        decoder.round(state, config, PhaseTimer(False, device))
-                    before = int(state.generated.sum())
-                    timer = PhaseTimer(profile, device)
-                    total = clock(lambda d=decoder, st=state, tm=timer, cf=config: [d.round(st, cf, tm)
-                                                                         for _ in range(rounds)])
-                    passes[profile] = (total, int(state.generated.sum()) - before, timer.totals_ms())
-                total, committed, _ = passes[False]
-                tau = args.tau or pair.tau
-                # Throughput at the stated tau: a round's work has fixed shapes whatever it accepts, so this is
-                # B * tau per round time; the realized draws (a few hundred) scatter around tau by a few percent,
-                # which would otherwise move the speedup by as much. What the timed rounds committed is kept too.
-                row.update(ms_per_round=total / rounds, tokens_per_s=batch * tau / total * rounds * 1e3,
-                           tokens_per_s_realized=committed / total * 1e3,
-                           tau_realized=committed / (batch * rounds), tau_stated=tau,
-                           alpha=alpha, acceptance="stated tau (random weights)",
-                           phase_ms_per_round={k: v / rounds for k, v in passes[True][2].items()})
+                floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / COPY_BANDWIDTH
+                row.update(floor_ms=floor * 1e3, fraction_of_floor=floor * 1e3 / ms)
             if args.profile_kernels and device.type == "cuda" and context == max(c for c in contexts if c <= longest):
-                one = (partial(decoder.decode_one_token, step) if method == "vanilla"
-                       else partial(decoder.round, state, config, PhaseTimer(False, device)))
+                one = partial(decoder.round, progress, sampling, acceptor)
                 try:  # a profiler failure costs the profile, not the measured row
                     row["kernel_profile"] = kernel_profile(one, rounds)
                 except RuntimeError as error:
@@ -245,20 +240,21 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="llama-8b")
     parser.add_argument("--batches", default="8,16")
     parser.add_argument("--contexts", default="8192,16384,24576,32768,65536")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help="comma-separated registered methods, a speculative one optionally with +fp8kv "
+                        f"(default: {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--tau", type=float, default=None, help="stated mean accepted length (default: the pair's)")
-    parser.add_argument("--rounds", type=int, default=12, help="timed rounds (or vanilla steps) per pass")
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
-    parser.add_argument("--fused-elementwise", choices=["off", "on"], default="on",
-                        help="run the models' elementwise work as fused kernels (Transformer.fused_elementwise)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also record per-kernel GPU time (torch.profiler) at the longest context of each method")
     for flag, (_, about) in SWITCHES.items():
         parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
     args = parser.parse_args()
-    for flag, (env, _) in SWITCHES.items():
-        os.environ[env] = "1" if getattr(args, flag.replace("-", "_")) == "on" else "0"
+    # The kernel paths of this run, one frozen config given to every decoder (and recorded with the results).
+    args.kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
+                                   for flag, (field, _) in SWITCHES.items()})
     args.methods = args.methods.split(",")
     for method in args.methods:  # a bad +fp8kv name fails here, before the models load
         split_method(method)
@@ -270,7 +266,6 @@ def main() -> None:
     max_pos = max(contexts) + 4096
     target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
     draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
-    target.fused_elementwise = draft.fused_elementwise = args.fused_elementwise == "on"
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         rows += bench_batch(pair, target, draft, batch, contexts, args, device, dtype)
@@ -278,9 +273,9 @@ def main() -> None:
     where = "h200" if device.type == "cuda" else "cpu"
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
-                    "gamma": pair.gamma, "fused_elementwise": args.fused_elementwise,
+                    "gamma": pair.gamma,
                     **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
-                    "pdl": pdl_enabled(device),
+                    "kernels": json.loads(args.kernels.to_json()), "pdl_supported": pdl_supported(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
                     + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:

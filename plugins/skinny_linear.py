@@ -7,14 +7,12 @@ tiles: 112 of them for 132 SMs), which leaves SMs idle for the whole kernel.
 
 This kernel tiles the output columns in BLOCK_N and optionally splits K into SPLIT_K slices so that the
 grid covers every SM several times. With SWAP the tile product is computed as W_tile @ x_tile^T (BLOCK_N
-rows in the MMA's M slot, where Hopper's wgmma wants 64), else x_tile @ W_tile^T. Measured on the H200
-(benchmarks/bench_linear.py): the best configuration per shape is 0-16 % faster than cuBLAS alone, most on
-small matrices and on the output heads; TUNED holds those, and leaves cuBLAS where it was as fast. The decoder
-launches it with PDL: each program waits for the previous kernel before its first read and lets the next launch
-be scheduled once its main loop is done. That took a Dustin-H round at Llama-8B + 1B, B = 16, 32K from 20.71 to
-20.50 ms and left vanilla at 19.3 ms (two interleaved pairs, git d12c6e3), the same with or without PDL on the
-projection after attention (git 95f45e6). An earlier variant that also prefetched the first weight columns into
-L2 before the wait measured 1.7 ms slower per vanilla step and was removed.
+rows in the MMA's M slot, where Hopper's wgmma wants 64), else x_tile @ W_tile^T. Which configuration a shape
+takes is data: the tactic table of `KernelConfig` (plugins/linear_tactics.py; packaged:
+tactics/skinny_linear_h200.json, the H200 sweeps of every bench_e2e pair, 0-16 % faster than cuBLAS). The decoder
+launches it with PDL, which cuBLAS cannot do: each program waits for the previous kernel before its first read
+and lets the next launch be scheduled once its main loop is done (worth 0.2 ms a Dustin-H round on the H200).
+The sweeps and what else was tried: benchmarks/dev/README.md.
 
 Split-K reduction without a second launch: each program stores its fp32 partial tile into `partials`
 [SPLIT_K, M, N], then bumps the tile's counter; the program that arrives last sums the SPLIT_K partials in
@@ -27,43 +25,23 @@ or None, all one dtype (bf16 / fp16 / fp32); y [M, N] in that dtype; with SPLIT_
 SPLIT_K). One workspace may serve every launch of a stream: a launch resets its counters before it ends.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
+from .kernel_config import KernelConfig
+from .linear_tactics import LinearConfig, row_block
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .split_kv import dot_mode, runs_triton, tile_dot
-from .switches import switched_on
 
-__all__ = ["MAX_ROWS", "TUNED", "LinearConfig", "SplitKWorkspace", "pick_config", "row_block", "skinny_linear",
-           "skinny_linear_forward", "skinny_linear_ref"]
+__all__ = ["DEFAULT_KERNELS", "MAX_ROWS", "SplitKWorkspace", "pick_config", "skinny_linear", "skinny_linear_forward",
+           "skinny_linear_ref"]
 
 MAX_ROWS = 64  # more rows than this (prefill chunks) are a regular GEMM: F.linear
 _DTYPES = (torch.bfloat16, torch.float16)  # what the op runs on the kernel (fp32: F.linear)
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    """One launch configuration of the skinny linear kernel."""
-
-    block_n: int = 64  # output columns per program
-    block_k: int = 128  # K elements per loop step
-    split_k: int = 1  # programs per output tile, each summing a contiguous slice of K
-    swap: bool = True  # W_tile @ x^T (BLOCK_N in the MMA's M slot) instead of x @ W_tile^T
-    num_warps: int = 4
-    num_stages: int = 4
-    tie: bool = False  # within 1 % of cuBLAS in the plain-launch sweep: taken only for PDL launches
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"LinearConfig.{name}={value} must be a power of two >= 16")
-        if self.split_k < 1:
-            raise ValueError(f"LinearConfig.split_k={self.split_k} must be >= 1")
 
 
 @dataclass
@@ -90,96 +68,23 @@ class SplitKWorkspace:
                 and self.counters.numel() >= triton.cdiv(n, config.block_n))
 
 
-def _tuned(block_n: int, block_k: int, swap: bool, num_warps: int, num_stages: int, split_k: int = 1) -> LinearConfig:
-    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
-                        num_stages=num_stages)
-
-
-def _tie(*args, **kwargs) -> LinearConfig:
-    return replace(_tuned(*args, **kwargs), tie=True)
-
-
-# The fastest configuration per shape of the H200 sweeps of benchmarks/bench_linear.py (plain launches, git 2a7352b
-# and 8182bae; benchmarks/results/linear*_h200.json), keyed by (rows rounded up to 16 / 32 / 64, N, K), for the
-# e2e pairs' verify (B * (Γ + 1) rows), draft (B and 2B rows) and vanilla (B rows) projections at B = 8 and 16;
-# None where the kernel was not at least 2 % faster than cuBLAS, except a tie (_tie: within 1 %), which a PDL launch
-# takes: PDL hides about 1.6 us of each launch inside a graph (a Dustin-H round at Llama-8B + 1B, B = 16, 32K: 132
-# PDL launches, 0.21 ms faster), which cuBLAS cannot do. Shapes not listed run F.linear.
-TUNED: dict[tuple[int, int, int], LinearConfig | None] = {
-    # llama-8b B16
-    (64, 6144, 4096): _tie(64, 128, False, 4, 6),  # target.qkv, 64 rows: cuBLAS 16.3 us, ours 16.2 (a tie)
-    (64, 4096, 4096): _tie(32, 128, False, 4, 6),  # target.o, 64 rows: cuBLAS 11.9 us, ours 11.9 (a tie)
-    (64, 28672, 4096): _tuned(128, 128, False, 8, 4),  # target.gate_up, 64 rows: 62.2 -> 60.1 us
-    (64, 4096, 14336): _tuned(32, 256, False, 4, 4),  # target.down, 64 rows: 36.5 -> 33.5 us
-    (64, 128256, 4096): _tuned(128, 64, False, 8, 4),  # target.lm_head, 64 rows: 284.6 -> 264.5 us
-    (16, 6144, 4096): _tuned(64, 256, True, 4, 4),  # target.qkv, 16 rows: 16.8 -> 15.0 us
-    (16, 4096, 4096): _tuned(64, 256, True, 4, 4),  # target.o, 16 rows: 13.5 -> 11.4 us
-    (16, 28672, 4096): _tie(64, 128, True, 4, 4),  # target.gate_up, 16 rows: cuBLAS 57.1 us, ours 56.8 (a tie)
-    (16, 4096, 14336): _tuned(32, 256, True, 4, 6),  # target.down, 16 rows: 33.0 -> 31.2 us
-    (16, 128256, 4096): _tuned(128, 128, True, 4, 3),  # target.lm_head, 16 rows: 253.7 -> 240.9 us
-    (16, 3072, 2048): _tie(64, 256, True, 4, 4),  # draft.qkv, 16 rows: cuBLAS 6.6 us, ours 6.6 (a tie)
-    (16, 2048, 2048): _tie(64, 256, True, 4, 4),  # draft.o, 16 rows: cuBLAS 6.3 us, ours 6.2 (a tie)
-    (16, 16384, 2048): _tie(64, 128, True, 4, 3),  # draft.gate_up, 16 rows: cuBLAS 18.7 us, ours 18.3 (a tie)
-    (16, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),  # draft.down, 16 rows: 13.9 -> 12.5 us
-    (16, 128256, 2048): _tuned(128, 128, True, 4, 3),  # draft.lm_head, 16 rows: 130.8 -> 123.0 us
-    (32, 3072, 2048): None,  # draft.qkv, 32 rows: cuBLAS 6.6 us, ours 6.9
-    (32, 2048, 2048): None,  # draft.o, 32 rows: cuBLAS 6.2 us, ours 6.7
-    (32, 16384, 2048): _tuned(64, 128, True, 4, 3),  # draft.gate_up, 32 rows: 19.2 -> 18.5 us
-    (32, 2048, 8192): _tuned(32, 128, True, 4, 4, split_k=4),  # draft.down, 32 rows: 14.1 -> 13.5 us
-    # llama-8b B8
-    (32, 6144, 4096): _tuned(64, 128, True, 4, 6),  # target.qkv, 32 rows: 15.9 -> 15.4 us
-    (32, 4096, 4096): _tuned(64, 128, True, 4, 6),  # target.o, 32 rows: 13.0 -> 11.8 us
-    (32, 28672, 4096): _tie(128, 128, True, 4, 4),  # target.gate_up, 32 rows: cuBLAS 58.1 us, ours 58.0 (a tie)
-    (32, 4096, 14336): _tie(64, 128, True, 4, 3, split_k=4),  # target.down, 32 rows: cuBLAS 33.2 us, ours 33.2 (a tie)
-    (32, 128256, 4096): _tuned(128, 128, False, 4, 3),  # target.lm_head, 32 rows: 267.5 -> 244.8 us
-    # qwen-7b B16
-    (64, 4608, 3584): None,  # target.qkv, 64 rows: cuBLAS 11.6 us, ours 13.3
-    (64, 3584, 3584): None,  # target.o, 64 rows: cuBLAS 9.6 us, ours 10.1
-    (64, 37888, 3584): _tuned(128, 64, False, 8, 3),  # target.gate_up, 64 rows: 72.5 -> 70.9 us
-    (64, 3584, 18944): None,  # target.down, 64 rows: cuBLAS 39.7 us, ours 41.4
-    (64, 152064, 3584): _tuned(128, 128, False, 8, 4),  # target.lm_head, 64 rows: 274.4 -> 266.3 us
-    (16, 4608, 3584): _tuned(64, 256, True, 4, 4),  # target.qkv, 16 rows: 12.2 -> 11.3 us
-    (16, 3584, 3584): _tuned(64, 256, True, 4, 4),  # target.o, 16 rows: 10.9 -> 9.7 us
-    (16, 37888, 3584): _tuned(64, 64, True, 4, 3),  # target.gate_up, 16 rows: 73.3 -> 65.2 us
-    (16, 3584, 18944): _tuned(64, 128, True, 4, 4, split_k=3),  # target.down, 16 rows: 39.9 -> 37.3 us
-    (16, 152064, 3584): _tuned(128, 128, False, 4, 3),  # target.lm_head, 16 rows: 263.4 -> 248.9 us
-    (16, 1152, 896): _tuned(64, 64, True, 4, 6),  # draft.qkv, 16 rows: 4.8 -> 4.6 us
-    (16, 896, 896): _tuned(64, 64, True, 4, 6),  # draft.o, 16 rows: 4.1 -> 3.7 us
-    (16, 9728, 896): _tuned(128, 128, True, 4, 4),  # draft.gate_up, 16 rows: 7.3 -> 6.9 us
-    (16, 896, 4864): _tuned(32, 128, True, 4, 4, split_k=8),  # draft.down, 16 rows: 7.5 -> 7.2 us
-    (16, 151936, 896): _tuned(128, 128, False, 4, 3),  # draft.lm_head, 16 rows: 71.2 -> 67.6 us
-    (32, 1152, 896): _tuned(64, 128, True, 4, 4),  # draft.qkv, 32 rows: 4.8 -> 4.6 us
-    (32, 896, 896): _tie(64, 128, True, 4, 4),  # draft.o, 32 rows: cuBLAS 4.0 us, ours 3.9 (a tie)
-    (32, 9728, 896): _tuned(128, 64, True, 4, 6),  # draft.gate_up, 32 rows: 7.3 -> 7.2 us
-    (32, 896, 4864): None,  # draft.down, 32 rows: cuBLAS 7.6 us, ours 8.3
-    # qwen-7b B8
-    (32, 4608, 3584): None,  # target.qkv, 32 rows: cuBLAS 11.2 us, ours 11.4
-    (32, 3584, 3584): _tuned(64, 256, True, 4, 4),  # target.o, 32 rows: 11.1 -> 10.0 us
-    (32, 37888, 3584): _tuned(64, 128, True, 4, 3),  # target.gate_up, 32 rows: 73.6 -> 67.0 us
-    (32, 3584, 18944): _tie(64, 128, True, 4, 4, split_k=3),  # target.down, 32 rows: cuBLAS 39.2 us, ours 38.5 (a tie)
-    (32, 152064, 3584): _tuned(128, 128, False, 4, 4),  # target.lm_head, 32 rows: 266.5 -> 257.7 us
-    # qwen-14b B8
-    (32, 7168, 5120): _tuned(64, 128, True, 4, 6),  # target.qkv, 32 rows: 21.2 -> 20.7 us
-    (32, 5120, 5120): _tie(64, 128, True, 4, 6),  # target.o, 32 rows: cuBLAS 16.1 us, ours 16.1 (a tie)
-    (32, 27648, 5120): _tie(64, 128, True, 4, 4),  # target.gate_up, 32 rows: cuBLAS 69.7 us, ours 69.6 (a tie)
-    (32, 5120, 13824): _tuned(64, 256, True, 4, 4),  # target.down, 32 rows: 40.1 -> 38.5 us
-    (32, 152064, 5120): _tuned(128, 128, True, 4, 4),  # target.lm_head, 32 rows: 378.1 -> 360.0 us
-    (16, 7168, 5120): _tuned(64, 128, True, 4, 6),  # target.qkv, 8 rows: 22.8 -> 20.4 us
-    (16, 5120, 5120): _tie(64, 256, True, 4, 4),  # target.o, 8 rows: cuBLAS 15.7 us, ours 15.4 (a tie)
-    (16, 27648, 5120): _tie(64, 128, True, 4, 4),  # target.gate_up, 8 rows: cuBLAS 69.5 us, ours 68.2 (a tie)
-    (16, 5120, 13824): _tuned(64, 256, True, 4, 4),  # target.down, 8 rows: 40.9 -> 37.2 us
-    (16, 152064, 5120): _tuned(128, 128, True, 4, 4),  # target.lm_head, 8 rows: 372.4 -> 351.1 us
-}
-
-
-def row_block(m: int) -> int:
-    """The kernel's BLOCK_M for m rows, which is also TUNED's row bucket: m rounded up to a power of two >= 16."""
-    return max(16, triton.next_power_of_2(m))
-
-
-def pick_config(m: int, n: int, k: int) -> LinearConfig | None:
-    """The tuned configuration of the shape, or None: F.linear (untuned, or cuBLAS measured as fast)."""
-    return TUNED.get((row_block(m), n, k))
+def pick_config(kernels: KernelConfig, x: torch.Tensor, weight: torch.Tensor,
+                workspace: SplitKWorkspace | None) -> LinearConfig | None:
+    """The kernel configuration a call takes, or None for F.linear: the tactic table's entry for the shape
+    (a shape not in the table runs F.linear), for 1..MAX_ROWS rows in bf16 / fp16 where Triton runs; a split-K
+    entry only with a workspace that fits, a tie only on a PDL launch with `kernels.skinny_ties`."""
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    if not kernels.skinny_linear or not runs_triton(x) or not 0 < M <= MAX_ROWS or x.dtype not in _DTYPES:
+        return None
+    tactic = kernels.tactics.lookup(M, N, K)
+    if tactic is None or tactic.config is None:
+        return None
+    if tactic.config.split_k > 1 and (workspace is None or not workspace.fits(M, N, tactic.config)):
+        return None  # split-K needs the caller's workspace
+    if tactic.tie and not (kernels.skinny_ties and kernels.skinny_launch_pdl and pdl_supported(x.device)):
+        return None  # a tie with cuBLAS gains only from the PDL launch
+    return tactic.config
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +155,7 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None,
                           pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]. pdl: launch with
-    programmatic dependent launch where pdl_enabled (sm_90+)."""
+    programmatic dependent launch where pdl_supported (sm_90+)."""
     *lead, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -281,41 +186,42 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         y.stride(0), config.split_k, HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, SWAP=config.swap,
         EVEN_K=K % config.block_k == 0, DOT_MODE=dot_mode(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **gdc_args(pdl and pdl_enabled(x.device)))
+        num_warps=config.num_warps, num_stages=config.num_stages, **gdc_args(pdl and pdl_supported(x.device)))
     return y.view(*lead, N)
 
 
 @torch.library.custom_op("trtllm_dustin::skinny_linear", mutates_args=("partials", "counters"))
 def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partials: torch.Tensor | None,
-                      counters: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    K, N = x.shape[-1], weight.shape[0]
-    M = x.numel() // K if K else 0
-    config = pick_config(M, N, K) if runs_triton(x) and 0 < M <= MAX_ROWS and x.dtype in _DTYPES else None
+                      counters: torch.Tensor | None, block_n: int, block_k: int, split_k: int, swap: bool,
+                      num_warps: int, num_stages: int, pdl: bool) -> torch.Tensor:
+    # The LinearConfig travels as plain values: a custom op takes no dataclass.
+    config = LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
+                          num_stages=num_stages)
     workspace = None if partials is None or counters is None else SplitKWorkspace(partials, counters)
-    if config is not None and config.split_k > 1 and (workspace is None or not workspace.fits(M, N, config)):
-        config = None  # split-K needs the caller's workspace
-    ties = pdl and pdl_enabled(x.device) and switched_on("TRTLLM_DUSTIN_SKINNY_TIES")
-    if config is not None and config.tie and not ties:
-        config = None  # a tie with cuBLAS gains only from the PDL launch
-    if config is None:
-        return skinny_linear_ref(x, weight, bias)
     return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias, partials, counters, pdl) -> torch.Tensor:
+def _(x, weight, bias, partials, counters, block_n, block_k, split_k, swap, num_warps, num_stages, pdl
+      ) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+DEFAULT_KERNELS = KernelConfig()  # the packaged tactic table, every kernel path on
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: SplitKWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
+                  workspace: SplitKWorkspace | None = None, *, kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized inputs: x [..., K] with at most MAX_ROWS rows in bf16 / fp16 and a
-    shape in TUNED runs the Triton kernel (a split-K configuration only with a workspace; a tie with cuBLAS only on a
-    PDL launch); anything else, and TRTLLM_DUSTIN_SKINNY_LINEAR=0, runs F.linear. pdl: launch with programmatic
-    dependent launch where pdl_enabled (TRTLLM_DUSTIN_SKINNY_PDL=0 turns it off)."""
-    if not switched_on("TRTLLM_DUSTIN_SKINNY_LINEAR"):
-        return F.linear(x, weight, bias)
-    pdl = pdl and switched_on("TRTLLM_DUSTIN_SKINNY_PDL")
-    if workspace is None:
-        return _skinny_linear_op(x, weight, bias, None, None, pdl)
-    return _skinny_linear_op(x, weight, bias, workspace.partials, workspace.counters, pdl)
+    shape that `kernels`' tactic table gives a configuration runs the Triton kernel (a split-K configuration only
+    with a workspace; a tie with cuBLAS only on a PDL launch with kernels.skinny_ties); anything else runs F.linear.
+    A shape not in the table runs F.linear (cuBLAS), because the kernel was only kept where a sweep measured it at
+    least 2 % faster (or tied, for PDL launches): SmolLM2-135M's projections (hidden 576) are such shapes.
+    kernels.skinny_linear=False runs F.linear throughout; the launch uses PDL when kernels.pdl and
+    kernels.skinny_pdl and the device supports it."""
+    config = pick_config(kernels, x, weight, workspace)
+    if config is None:
+        return skinny_linear_ref(x, weight, bias)
+    partials, counters = (None, None) if workspace is None else (workspace.partials, workspace.counters)
+    return _skinny_linear_op(x, weight, bias, partials, counters, config.block_n, config.block_k, config.split_k,
+                             config.swap, config.num_warps, config.num_stages, kernels.skinny_launch_pdl)

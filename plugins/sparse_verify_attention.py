@@ -15,12 +15,11 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q
-from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
+from .pdl import gdc_args, gdc_wait_if, pdl_supported
 from .reference import sparse_verify_attention_ref
 from .split_kv import (
     LOG2E,
     NEG_BIG,
-    combine_splits,
     dot_mode,
     merge_if_last,
     online_softmax_update,
@@ -36,44 +35,10 @@ __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_
 # Sparse chunks are short (k = 512 keys in all): the partial outputs and the combine launch cost
 # more than extra key splits gain (H200: 1 split 23.8 us, 4 splits 39.7 us at B=16, 72B heads).
 MIN_KEYS_PER_SPLIT = 1024
-# Launch defaults from the H200 sweep (B=16, L=32K, Qwen2.5-72B heads, T=5, k=512): index
-# prefetch, all T * G rows in one tile (block_m=64), 64-key tiles, 3 stages: 16.5 us; without the
-# prefetch 23.7 us; splitting the rows over programs (block_m=16 / 32) 21.0 / 21.2 us. Run 3 (same
-# shape) also tried K/V register prefetch (never faster), a separate new-token tile (within the
-# +-1.5 us noise: 16.3 vs 18.2 us at T=4, 18.6 vs 17.1 at T=5) and 2-3 splits (21-25 us): none kept.
-# Time against k is linear at ~0.022 us per key index (2.9 TB/s of random 256-byte row gathers)
-# on top of ~6 us fixed (benchmarks/results/attention_h200.sweep3.json). Run 4 (8f11f02) merged key
-# splits inside the kernel (fused_combine: no second launch): 2 splits 19.0-20.5 us at T=5 and
-# 20.1-23.2 us at T=4 against 17.0 / 17.5 us for one split, so the extra programs do not pay for their
-# partials even without the combine launch (attention_h200.sweep4.json); the heuristic's one split at
-# k = 512 stands, and longer index lists that do split (k >= 1024) now merge in-kernel. Runs 5-7 (385045e-ba9ea58):
-# num_stages 4-6, with or without the index prefetch, were 1-7 us slower than 3 stages with it. Folding the new tokens
-# in after the walk (new_separate) saved 0.8-1.6 us at T=4 (32 query rows) in five comparisons over three runs
-# and cost 1.4-1.8 us at T=5 (40 rows in a 64-row tile) in four; why T=5 loses is not established, so it is on
-# for tiles of <= 32 rows (block_m <= 32) only. Run 8 (95c9d74): T=5's 40 rows as two 32-row or three 16-row
-# blocks, with or without new_separate, took 20.6-29.1 us against 16.6 for one 64-row block
-# (attention_h200.sweep8.json). Run 9 (7b99c22, attention_h200.sweep9.json): programmatic dependent launch (PDL,
-# plugins/pdl.py) made this kernel slower, 16.8 / 17.2 against 15.9 / 16.6 us at T=4 and 18.0 / 18.6 against
-# 16.6 / 17.7 at T=5, so it was turned off here (the full kernel kept it: 470 against 475 us); reading the first
-# index block before the PDL wait was no better than no PDL, and gathering the new tokens after the walk instead of
-# before it was slower (18.2-18.3 us at T=5). Run 10 (4548ad9, sweep10): the whole index list in registers before the
-# walk (no index load inside it) took 20.5-21.0 us at T=4 and 18.4-19.0 at T=5 against 15.8-16.3 / 16.7-17.4 us;
-# with 2 splits, 4 stages, 32-key tiles or 8 warps it was slower still. Those three options were removed again.
-# Run 11 (697d540, sweep11), three interleaved rounds: PDL whose programs signal the next launch only by exiting (no
-# gdc_launch_dependents after the walk) beat no PDL in all six pairs, 15.6 / 15.8 / 16.8 against 15.9 / 16.7 / 17.5 us
-# at T=4 and 16.3 / 16.8 / 16.7 against 16.7 / 19.0 / 18.1 at T=5: now the default. A 64-row tile at T=4 (wide_tile:
-# wgmma instead of the 32-row tile's mma.sync) took 16.1-16.2 us without new_separate and 18.1-18.2 with it.
-# Runs 12-19 (2026-11-30, attention_h200.sweep12-19.json). Not kept: T=5's 40 rows as a 32-row plus a 16-row tile on
-# one gather (25-28 us), K and V side by side per position (no change), resident key splits with smaller shared-memory
-# footprints (19-30 us), 8 warps or 128-key tiles (19-27 us). A read-only gather of the same rows (sweep 14) took 17 us
-# with one program per pair and 12 us with two, yet ncu showed this kernel issue-bound, not DRAM-bound
-# (attention_h200.ncu_sparse.txt): one warp per scheduler issuing every 3 cycles, ~845 instructions per warp per 64-key
-# tile (SASS of the loop), DRAM 34 % busy. So `lean` cuts instructions: no mask on tiles of valid list items (~630
-# instructions on that path), one K/V offset, the scale in the exponent. With the 64-row wgmma tile it was 1.0-1.5 us
-# faster at 72B heads (T=5: 15.1-15.8 against 16.0-18.6; T=4 with a 64-row tile: 15.0-15.2 against 15.6-17.0 for the
-# 32-row default) and at Qwen-7B heads; with mma.sync tiles it was slower. Lazy rescaling (acc rescaled only when a
-# row max grows by > 8) cost 0.6-1.3 us (a block-wide max per tile). Defaults since run 19: a 64-row tile with lean
-# above 16 query rows, the 16-row mma.sync tile below.
+# The chosen launch (H200 sweeps 2-19, B = 16, 32K, k = 512; what was tried, with numbers: benchmarks/dev/README.md):
+# the next index block is loaded during each gather, 64-key tiles, 3 stages, 4 warps; above 16 query rows one 64-row
+# (wgmma) tile with `lean`, because the kernel is bound by instruction issue, not DRAM; at most 16 rows a 16-row tile
+# with the new tokens folded in after the walk; PDL whose programs signal the next launch only by exiting.
 
 
 @triton.jit
@@ -124,10 +89,9 @@ def _sparse_verify_attention_kernel(
     stride_ob, stride_ot, stride_oh,
     batch, num_kv_heads, num_indices, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
-    DOT_MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr, counters_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr, counters_ptr,
     NEW_SEPARATE: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
-    GDC_TRIGGER: tl.constexpr = False, LEAN: tl.constexpr = False,
+    LEAN: tl.constexpr = False,
 ):
     split = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -166,19 +130,16 @@ def _sparse_verify_attention_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PREFETCH_INDICES:  # the gathers of block i then wait on no index load of their own
-        offs_first = start + tl.arange(0, BLOCK_N)
-        idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
+    # The next index block is loaded during this block's gathers, which then wait on no index load of their own.
+    offs_first = start + tl.arange(0, BLOCK_N)
+    idx_next = tl.load(idx_base + offs_first, mask=offs_first < num_indices, other=-1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         from_list = offs_n < num_indices
         new_token = offs_n - num_indices  # index among the T new tokens, for items past the list
-        if PREFETCH_INDICES:
-            idx = idx_next
-            offs_after = offs_n + BLOCK_N
-            idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
-        else:
-            idx = tl.load(idx_base + offs_n, mask=from_list, other=-1)
+        idx = idx_next
+        offs_after = offs_n + BLOCK_N
+        idx_next = tl.load(idx_base + offs_after, mask=offs_after < num_indices, other=-1)
         pos = tl.where(from_list, idx, seqlen + new_token)
         col_ok = (offs_n < end) & (pos >= 0)
         if LEAN:
@@ -201,11 +162,11 @@ def _sparse_verify_attention_kernel(
     if NEW_SEPARATE:  # new token j is visible to query token t when j <= t (causal among the T new tokens)
         m_i, l_i, acc = _attend(q, k_new, v_new, t_row, new_ok, offs_j < 0, offs_j, m_i, l_i, acc, qk_scale_log2,
                                 DOT_MODE)
-    gdc_launch_if(USE_GDC and GDC_TRIGGER)  # only the stores are left: the next PDL launch may be scheduled
+    # PDL: no early gdc_launch_dependents here; the next launch is scheduled as the programs exit (faster, H200).
 
     store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, row_ok, offs_d,
                        split, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh, HEAD_DIM, DIRECT_OUTPUT)
-    if FUSED_COMBINE:  # the last program of this (pair, row block) to finish merges the splits: no second launch
+    if not DIRECT_OUTPUT:  # the last program of this (pair, row block) to finish merges the splits: no second launch
         merge_if_last(counters_ptr + pair * ROW_BLOCKS + row_block, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b,
                       t_row, head, row_ok, offs_d, num_splits, batch, T, num_heads, stride_ob, stride_ot, stride_oh,
                       BLOCK_M, HEAD_DIM)
@@ -213,19 +174,18 @@ def _sparse_verify_attention_kernel(
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
                                     num_splits=None, block_m=None, block_n=64, num_warps=4, num_stages=3,
-                                    prefetch_indices=True, fused_combine=True, new_separate=None, pdl=None,
-                                    pdl_trigger=False, wide_tile=False, lean=None):
+                                    new_separate=None, lean=None, pdl=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
+    The defaults are the chosen launch; explicit values are for the tests and the sweeps (benchmarks/dev/).
+    block_m: query rows per program (None: 64 when T * G > 16, else 16; a 64-row tile takes Hopper's wgmma, smaller
+    ones mma.sync); an explicit value is cut to the smallest power of two >= T * G.
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
     block_m <= 32); otherwise they are the last T items of the walk.
-    pdl: programmatic dependent launch (None: plugins.pdl.pdl_enabled); the kernel reads nothing before the
-    previous kernel has completed. pdl_trigger: also signal the next launch once the walk is done (the other kernels'
-    way); off here: with it the kernel measured slower than without PDL (H200 run 9), without it faster (run 11).
-    block_m: query rows per program (None: 64 when T * G > 16, else 16; H200 run 19); an explicit value is cut to the
-    smallest power of two >= T * G unless wide_tile (a 64-row tile takes Hopper's wgmma, smaller ones mma.sync).
     lean (None: with 64-row tiles): tiles of valid list items only skip the mask, K and V rows share one offset
-    (needs equal position strides, else off), the softmax scale goes into the exponent (H200 runs 17-19).
+    (needs equal position strides, else off), the softmax scale goes into the exponent.
+    pdl: programmatic dependent launch where pdl_supported; the kernel reads nothing before the previous kernel
+    has completed and signals the next launch only by exiting.
 
     Launch contract:
       q:             [B, T, H_q, D], T <= 16, last dim contiguous, bf16 / fp16 / fp32
@@ -240,8 +200,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
                      pair gather the same rows, the repeats served from L2) and items
                      [split * chunk, (split + 1) * chunk) of the K + T item list;
                      num_splits > 1: the last program of each (pair, row block) to finish merges the
-                     partials (fused_combine, arrival counters from split_counters), or the combine_splits
-                     launch does (fused_combine=False).
+                     partials (arrival counters from split_counters), so there is no second launch.
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
@@ -250,21 +209,19 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     if num_splits is None:
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
     rows = t * group
-    if block_m is None:
+    if block_m is None:  # a 64-row (wgmma) tile above 16 rows, even when fewer would hold them
         block_m = 64 if rows > 16 else 16
-    elif not wide_tile:
+    else:
         block_m = min(max(16, block_m), max(16, triton.next_power_of_2(rows)))
-    block_m = max(16, block_m)
     row_blocks = triton.cdiv(rows, block_m)
-    if new_separate is None:  # H200 (B=16, 32K, 72B heads, k=512): T=4 (block_m 32) 16.4 / 16.5 us against 17.2 /
-        new_separate = block_m <= 32  # 17.8 without; T=5 (block_m 64) 18.5 / 18.0 against 16.8 / 16.5: keep it small
+    if new_separate is None:  # faster at <= 32 rows, slower in a 64-row tile (H200)
+        new_separate = block_m <= 32
     if lean is None:
         lean = block_m >= 64
     lean = lean and k_cache.stride(2) == v_cache.stride(2)
     direct = num_splits == 1
-    fused = fused_combine and not direct
-    use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
-    counters = split_counters(q.device, batch * heads_kv * row_blocks) if fused else cache_seqlens  # else unused
+    use_gdc = pdl and pdl_supported(q.device)
+    counters = cache_seqlens if direct else split_counters(q.device, batch * heads_kv * row_blocks)  # else unused
     if direct:
         o_part = ml_part = out  # unused
     else:
@@ -279,39 +236,38 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         out.stride(0), out.stride(1), out.stride(2),
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT_OUTPUT=direct, PREFETCH_INDICES=prefetch_indices, DOT_MODE=dot_mode(q.dtype),
-        FUSED_COMBINE=fused, counters_ptr=counters, NEW_SEPARATE=new_separate,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), GDC_TRIGGER=pdl_trigger, LEAN=lean,
+        DIRECT_OUTPUT=direct, DOT_MODE=dot_mode(q.dtype), counters_ptr=counters, NEW_SEPARATE=new_separate,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), LEAN=lean,
         num_warps=num_warps, num_stages=num_stages, **gdc_args(use_gdc),
     )
-    if not direct and not fused:
-        combine_splits(o_part, ml_part, out, lse)
 
 
 @torch.library.custom_op("trtllm_dustin::sparse_verify_attention", mutates_args=("out",))
 def _sparse_verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 cache_seqlens: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                                out: torch.Tensor) -> None:
+                                out: torch.Tensor, pdl: bool) -> None:
     if runs_triton(q):
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse)
+        sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, pdl=pdl)
     else:
         out.copy_(sparse_verify_attention_ref(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale))
 
 
 @_sparse_verify_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out) -> None:
+def _(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, pdl) -> None:
     return None
 
 
 def sparse_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, indices: torch.Tensor, *,
-                            softmax_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            softmax_scale: float | None = None, out: torch.Tensor | None = None,
+                            pdl: bool = False) -> torch.Tensor:
     """Attention of T new tokens over the selected cache entries plus the new tokens (causal).
 
     q [B, T, H_q, D]; k_cache, v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B];
     indices int32 [B, K]: valid entries unique in [0, L_b) in any order, padding -1 (skipped).
-    Returns out [B, T, H_q, D] in q.dtype.
+    Returns out [B, T, H_q, D] in q.dtype. pdl: launch with programmatic dependent launch where the device
+    supports it (KernelConfig.pdl).
     """
     check_attention_inputs("sparse_verify_attention", q, k_cache, v_cache, cache_seqlens)
     batch, t, heads_q, head_dim = q.shape
@@ -327,5 +283,5 @@ def sparse_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         check_out("sparse_verify_attention", out, q.shape, q.dtype, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    _sparse_verify_attention_op(q, k_cache, v_cache, cache_seqlens, indices, float(scale), out)
+    _sparse_verify_attention_op(q, k_cache, v_cache, cache_seqlens, indices, float(scale), out, pdl)
     return out

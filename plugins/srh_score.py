@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q
+from .pdl import gdc_args, gdc_wait_if, pdl_supported
 from .reference import srh_score_ref
 from .split_kv import LOG2E, NEG_BIG, dot_mode, pick_num_splits, runs_triton, tile_dot
 
@@ -49,11 +50,13 @@ def _srh_lse_kernel(
     batch, num_splits, s_max, kv_heads_packed, group_sizes_packed, qk_scale_log2,
     T: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_RAW: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """Partial log-denominators over keys [split * chunk, ...) of [0, L_b + T), causal per row.
 
     WRITE_RAW: also store each selected row's scores (log2 units) on the context keys [0, L_b)
     to raw[b, t, column, j], so that the probabilities need no second read of K."""
+    gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     split = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.program_id(2)
@@ -100,9 +103,10 @@ def _srh_sum_raw_kernel(
     raw_ptr, lse_part_ptr, seqlens_ptr, out_ptr,
     stride_ob, batch, num_splits, s_max, group_sizes_packed,
     T: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACCUMULATE: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """S[b, block] = sum over selected rows of exp2(raw - lse2), lse merged here from the split partials."""
+    gdc_wait_if(USE_GDC)  # the raw scores and partials come from the previous kernel
     jb = tl.program_id(0)
     b = tl.program_id(1)
     offs_n = jb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,8 +143,10 @@ def _srh_score_kernel(
     stride_ob, s_max, kv_heads_packed, group_sizes_packed, qk_scale_log2,
     T: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_MODE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """Column sums of exp(s - lse) over all selected rows for keys [jb * BLOCK_N, ...) of sequence b."""
+    gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     jb = tl.program_id(0)
     b = tl.program_id(1)
     offs_n = jb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,7 +193,7 @@ def _pack(values: list[int]) -> int:
 
 
 def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate, *,
-                      block_n=None, num_warps=4, num_stages=2, raw_scores=None):
+                      block_n=None, num_warps=4, num_stages=2, raw_scores=None, pdl=False):
     """Launch the SRH scoring kernels (inputs already validated).
 
     Launch contract:
@@ -201,6 +207,10 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
       raw_scores:    without lse: True keeps the selected rows' scores (fp32 [B, T, columns, S_max],
                      written by the denominator pass) so K is read once; False reads K twice;
                      None picks True while that buffer stays under RAW_SCORES_MAX_BYTES
+      pdl:           programmatic dependent launch of every kernel where pdl_supported (each waits for its
+                     predecessor before its first read and signals the next launch only by exiting)
+      block_n, num_warps, num_stages: the chosen launch by default; explicit values are for the tests and the
+                     sweeps (benchmarks/dev/)
       Per launch of at most 8 KV-head groups (P = largest group, rows T * P per group):
         q_sel [B, T, n_groups * P, D] is gathered by torch ops.
         With lse: lse_sel is gathered too and _srh_score_kernel, grid (cdiv(S_max, BLOCK_N), B),
@@ -215,6 +225,7 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
     groups = _group_heads(head_ids, heads_q // heads_kv)
     qk_scale_log2 = softmax_scale * LOG2E
     mode = dot_mode(q.dtype)
+    gdc = gdc_args(pdl and pdl_supported(q.device))
     if block_n is None:  # H200 sweep: 64 keys at D=128 (137.8 us), 128 at D=64 (44.8 us vs 48.6 at 256)
         block_n = 64 if head_dim * q.element_size() >= 256 else 128
     for first in range(0, len(groups), MAX_GROUPS_PER_LAUNCH):
@@ -241,14 +252,14 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
                 batch, num_splits, s_max, kv_packed, sizes_packed, qk_scale_log2,
                 T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), HEAD_DIM=head_dim,
                 BLOCK_M=block_m, BLOCK_N=block_n, WRITE_RAW=keep_raw, DOT_MODE=mode,
-                num_warps=num_warps, num_stages=num_stages,
+                num_warps=num_warps, num_stages=num_stages, **gdc,
             )
             if keep_raw:
                 _srh_sum_raw_kernel[(triton.cdiv(s_max, SUM_BLOCK_N), batch)](
                     raw, lse_part, cache_seqlens, out,
                     out.stride(0), batch, num_splits, s_max, sizes_packed,
                     T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), BLOCK_N=SUM_BLOCK_N,
-                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)), ACCUMULATE=add, num_warps=4,
+                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)), ACCUMULATE=add, num_warps=4, **gdc,
                 )
                 continue
             lse_sel = torch.logsumexp(lse_part, dim=0)  # [B, T, n_groups * rows]
@@ -262,15 +273,16 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
             out.stride(0), s_max, kv_packed, sizes_packed, qk_scale_log2,
             T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), HEAD_DIM=head_dim,
             BLOCK_M=block_m, BLOCK_N=block_n, ACCUMULATE=add, DOT_MODE=mode,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **gdc,
         )
 
 
 @torch.library.custom_op("trtllm_dustin::srh_score", mutates_args=("out",))
 def _srh_score_op(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, head_ids: list[int],
-                  lse: torch.Tensor | None, softmax_scale: float, out: torch.Tensor, accumulate: bool) -> None:
+                  lse: torch.Tensor | None, softmax_scale: float, out: torch.Tensor, accumulate: bool,
+                  pdl: bool) -> None:
     if runs_triton(q):
-        srh_score_forward(q, k_cache, cache_seqlens, tuple(head_ids), lse, softmax_scale, out, accumulate)
+        srh_score_forward(q, k_cache, cache_seqlens, tuple(head_ids), lse, softmax_scale, out, accumulate, pdl=pdl)
     else:
         scores = srh_score_ref(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale)
         if accumulate:
@@ -280,19 +292,20 @@ def _srh_score_op(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.T
 
 
 @_srh_score_op.register_fake
-def _(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate) -> None:
+def _(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate, pdl) -> None:
     return None
 
 
 def srh_score(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, head_ids: tuple[int, ...], *,
               lse: torch.Tensor | None = None, softmax_scale: float | None = None, out: torch.Tensor | None = None,
-              accumulate: bool = False) -> torch.Tensor:
+              accumulate: bool = False, pdl: bool = False) -> torch.Tensor:
     """Eq. 5 over the query heads `head_ids` of one layer: S fp32 [B, S_max].
 
     q [B, T, H_q, D] (queries at positions L_b + t); k_cache [B, H_kv, S_max, D]; cache_seqlens
     int32 [B]; head_ids static query-head indices. lse [B, T, H_q] fp32 from
     verify_attention(return_lse=True) on the same queries makes it one pass over K. With
-    accumulate=True the scores are added into `out` (sum several layers into one S).
+    accumulate=True the scores are added into `out` (sum several layers into one S). pdl: launch with
+    programmatic dependent launch where the device supports it (KernelConfig.pdl).
     """
     check_attention_inputs("srh_score", q, k_cache, None, cache_seqlens)
     batch, t, heads_q, head_dim = q.shape
@@ -312,5 +325,5 @@ def srh_score(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tenso
     else:
         check_out("srh_score", out, (batch, s_max), torch.float32, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    _srh_score_op(q, k_cache, cache_seqlens, list(head_ids), lse, float(scale), out, accumulate)
+    _srh_score_op(q, k_cache, cache_seqlens, list(head_ids), lse, float(scale), out, accumulate, pdl)
     return out

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q, is_fp8
-from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_enabled
+from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .reference import verify_attention_ref
 from .split_kv import (
     LOG2E,
@@ -93,7 +93,7 @@ def _verify_attention_kernel(
 
 def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse, *,
                              max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3,
-                             pdl=None):
+                             pdl=False):
     """Launch the full-cache verify attention kernel (inputs already validated).
 
     Launch contract:
@@ -107,14 +107,14 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
                      and keys [split * chunk, (split + 1) * chunk) of [0, L_b + T), chunk from L_b
                      in-kernel; num_splits > 1 adds the combine_splits launch.
       max_seqlen:    static bound on L_b + T used to pick num_splits (default S_max)
-      pdl:           programmatic dependent launch (None: plugins.pdl.pdl_enabled)
+      pdl:           programmatic dependent launch where pdl_supported
+      num_splits, block_n, num_warps, num_stages: the chosen launch when None / default; explicit values are for
+                     the tests and the sweeps (benchmarks/dev/)
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
-    # An fp8 cache's tiles are converted to fp16 before the products, which leaves one program per SM short of the
-    # bandwidth: at the draft's shape (B = 16, 8 KV heads, D = 64, 32K) two programs per SM with 4 warps took a launch
-    # from 231 to 186 us (bf16 cache: 243 us; bench_kv_dtype.py, benchmarks/results/fp8_kv/kv_dtype_sweep*_h200.json).
+    # An fp8 cache's tile conversion leaves one program per SM short of the bandwidth: two per SM (benchmarks/dev/).
     fp8 = is_fp8(k_cache.dtype)
     if num_splits is None:
         bound = s_max if max_seqlen is None else min(max_seqlen, s_max)
@@ -123,11 +123,10 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
     block_m = max(16, triton.next_power_of_2(t * group))
     if block_n is None:  # a 32 KB K tile (bf16: 128 keys at D=128, 256 at D=64): 3 stages of K + V fit in smem
         block_n = min(256, 32768 // (head_dim * q.element_size()) // (2 if block_m >= 128 else 1))
-    if num_warps is None:  # 4 warps beat 8 by 1.3-1.7x even for a [64, 128] tile (H200 sweep); 256-key tiles
-        # take 8 over a bf16 cache (D=64 draft steps: 247 vs 252 us), 4 over an fp8 one (186 vs 236 us)
+    if num_warps is None:  # the H200 sweeps' fastest: 4 warps, 8 for 256-key tiles over a bf16 cache
         num_warps = 8 if block_m >= 128 or (block_n >= 256 and not fp8) else 4
     direct = num_splits == 1
-    use_gdc = pdl_enabled(q.device) if pdl is None else bool(pdl)
+    use_gdc = pdl and pdl_supported(q.device)
     if direct:
         o_part = ml_part = out  # unused
     else:
@@ -150,10 +149,11 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
 
 @torch.library.custom_op("trtllm_dustin::verify_attention", mutates_args=("out", "lse"))
 def _verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                         softmax_scale: float, max_seqlen: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+                         softmax_scale: float, max_seqlen: int, out: torch.Tensor, lse: torch.Tensor,
+                         pdl: bool) -> None:
     if runs_triton(q):
         verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse,
-                                 max_seqlen=max_seqlen if max_seqlen > 0 else None)
+                                 max_seqlen=max_seqlen if max_seqlen > 0 else None, pdl=pdl)
     else:
         ref_out, ref_lse = verify_attention_ref(q, k_cache, v_cache, cache_seqlens, softmax_scale, return_lse=True)
         out.copy_(ref_out)
@@ -161,19 +161,21 @@ def _verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 @_verify_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, softmax_scale, max_seqlen, out, lse) -> None:
+def _(q, k_cache, v_cache, cache_seqlens, softmax_scale, max_seqlen, out, lse, pdl) -> None:
     return None
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, *,
                      softmax_scale: float | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-                     max_seqlen: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     max_seqlen: int | None = None,
+                     pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Full-cache attention of T new tokens: query t of sequence b sees cache positions [0, L_b + t].
 
     q [B, T, H_q, D]; k_cache, v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B] (length before
     the new tokens, whose K/V are already in the cache). Returns out [B, T, H_q, D] in q.dtype, and
     with return_lse also lse fp32 [B, T, H_q] (natural log of the softmax denominator, scale
-    included). max_seqlen: optional static bound on L_b + T, used only to size the split-KV grid.
+    included). max_seqlen: optional static bound on L_b + T, used only to size the split-KV grid. pdl: launch with
+    programmatic dependent launch where the device supports it (KernelConfig.pdl).
     """
     check_attention_inputs("verify_attention", q, k_cache, v_cache, cache_seqlens)
     batch, t, heads_q, head_dim = q.shape
@@ -186,5 +188,5 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          "pass an upper bound on L_b + T")
     lse = torch.empty(batch, t, heads_q, device=q.device, dtype=torch.float32)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    _verify_attention_op(q, k_cache, v_cache, cache_seqlens, float(scale), max_seqlen or 0, out, lse)
+    _verify_attention_op(q, k_cache, v_cache, cache_seqlens, float(scale), max_seqlen or 0, out, lse, pdl)
     return (out, lse) if return_lse else out

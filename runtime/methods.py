@@ -1,24 +1,46 @@
-"""The decode methods by name: one registry instead of `if method == ...` chains."""
+"""The decode methods by name: each is a (Drafter, Selector) pair, built by `build_decoder`.
+
+One registry for every caller: the CLI (`generate --method`, `triton-repo --method`), the serving engine, the
+quality evaluation and the benchmarks read METHODS; `offered` marks the user-facing ones (an evaluation-only method
+is measured by benchmarks/eval_quality.py but not offered, because it did not help).
+
+The budget k of the sparse-verification baselines is the Dustin config's (so that every sparse method of one run
+compares at the same k), or MethodSetup.draft_budget when no Dustin config is given.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trtllm_dustin.attention import AttentionBackend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.runtime.baselines import BASELINE_METHODS, EVALUATION_METHODS
-from trtllm_dustin.runtime.classic import ClassicSD
-from trtllm_dustin.runtime.dustin import Dustin
-from trtllm_dustin.runtime.dustin_sparse_draft import DustinSparseDraft
-from trtllm_dustin.runtime.magicdec import MagicDec
-from trtllm_dustin.runtime.speculative import SpeculativeDecoder
-from trtllm_dustin.runtime.vanilla import VanillaDecoder
+from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
+from trtllm_dustin.runtime.decoder import Decoder
+from trtllm_dustin.runtime.drafter import Drafter
+from trtllm_dustin.runtime.drafters import (
+    DraftView,
+    FullCacheView,
+    ModelDrafter,
+    NoDraft,
+    StreamingWindowView,
+    VerificationSetView,
+)
+from trtllm_dustin.runtime.selector import Selector
+from trtllm_dustin.runtime.selectors import (
+    AdaptiveShare,
+    DustinSelector,
+    FullVerification,
+    QuestSelector,
+    SnapKVSelector,
+    StreamingLLMSelector,
+)
 
-__all__ = ["METHODS", "MethodSetup", "build_decoder"]
+__all__ = ["METHODS", "OFFERED_METHODS", "Method", "MethodSetup", "build_decoder"]
 
 
 @dataclass(frozen=True)
@@ -31,44 +53,135 @@ class MethodSetup:
     draft: Transformer | None = None
     draft_cache: KVCache | None = None
     gamma: int = 3  # draft tokens per round
-    draft_budget: int = 512  # MagicDec's StreamingLLM budget for the draft
+    draft_budget: int = 512  # MagicDec's StreamingLLM budget for the draft (and the baselines' k without a config)
     dustin: DustinConfig | None = None  # Dustin's searched estimator configuration
-    use_cuda_graph: bool = True
+    use_cuda_graph: bool = True  # replay the round's fixed-shape phases from CUDA graphs (CUDA only)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # given to both models; the graphs record it
 
 
-def _speculative(setup: MethodSetup, cls: type[SpeculativeDecoder], **extra) -> SpeculativeDecoder:
-    if setup.draft is None or setup.draft_cache is None:
-        raise ConfigError(f"method {cls.name} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
-    return cls(setup.target, setup.draft, setup.target_cache, setup.draft_cache, setup.backend, gamma=setup.gamma,
-               use_cuda_graph=setup.use_cuda_graph, **extra)
+DrafterFactory = Callable[[MethodSetup, PhaseGraphs], Drafter]
+SelectorFactory = Callable[[MethodSetup, Drafter], Selector]
 
 
-def _dustin(variant: str, cls: type[Dustin] = Dustin) -> Callable[[MethodSetup], SpeculativeDecoder]:
-    def build(setup: MethodSetup) -> SpeculativeDecoder:
-        if setup.dustin is None:
-            raise ConfigError(f"dustin-{variant} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
-                              "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")
-        return _speculative(setup, cls, dustin=setup.dustin, variant=variant)
+@dataclass(frozen=True)
+class Method:
+    drafter: DrafterFactory
+    selector: SelectorFactory
+    about: str  # one line for --help
+    needs_draft: bool = True
+    needs_dustin: bool = False  # needs a searched Dustin config (its SRH heads, or its budget for the draft)
+    sparse: bool = False  # verifies against a selected set of k positions (the selector has a budget)
+    offered: bool = True  # a user option (CLI, model repository); False: evaluation only
+
+
+# ---- drafters --------------------------------------------------------------------------------------------------
+def _no_draft(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
+    return NoDraft(setup.target_cache.batch_slots, setup.target.config.vocab_size, setup.target_cache.seqlens.device)
+
+
+def _model_drafter(view: Callable[[MethodSetup], DraftView]) -> DrafterFactory:
+    def build(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
+        return ModelDrafter(setup.draft, setup.draft_cache, view(setup), setup.backend, setup.gamma,
+                            setup.target.config.vocab_size, graphs, setup.kernels.round_kernels)
     return build
 
 
-METHODS: dict[str, Callable[[MethodSetup], VanillaDecoder | SpeculativeDecoder]] = {
-    "vanilla": lambda s: VanillaDecoder(s.target, s.target_cache, s.backend, use_cuda_graph=s.use_cuda_graph),
-    "classic": lambda s: _speculative(s, ClassicSD),
-    "magicdec": lambda s: _speculative(s, MagicDec, draft_budget=s.draft_budget),
-    "dustin-h": _dustin("h"),
-    "dustin-t": _dustin("t"),
-    "dustin-d": _dustin("d"),
-    "dustin-h-sparse-draft": _dustin("h", DustinSparseDraft),
-    **BASELINE_METHODS,  # streamingllm, snapkv, quest (sparse-verification baselines)
+def _verification_set(setup: MethodSetup) -> DraftView:
+    cache = setup.target_cache
+    return VerificationSetView(setup.dustin.budget, setup.dustin.n_sink, setup.gamma, cache.batch_slots,
+                               cache.seqlens.device)
+
+
+# ---- selectors -------------------------------------------------------------------------------------------------
+def _full(setup: MethodSetup, drafter: Drafter) -> Selector:
+    return FullVerification()
+
+
+def _dustin(variant: str, adaptive: bool = False) -> SelectorFactory:
+    def build(setup: MethodSetup, drafter: Drafter) -> Selector:
+        setup.dustin.check_models(setup.target.config, setup.draft.config)
+        config = setup.dustin.variant(variant)
+        lookahead = drafter.lookahead([lh.layer for lh in config.draft_layers], confidence=adaptive)
+        share = AdaptiveShare(lookahead.confidence, config.budget - config.n_sink - config.n_recent) \
+            if adaptive else None
+        return DustinSelector(config, setup.target_cache, setup.target.config, setup.target.embed.weight.dtype,
+                              lookahead, share, pdl=setup.kernels.pdl)
+    return build
+
+
+def _budget(setup: MethodSetup) -> tuple[int, int]:
+    """(k, n_sink) of a baseline: the Dustin config's, else the draft budget with 4 sinks."""
+    return (setup.dustin.budget, setup.dustin.n_sink) if setup.dustin is not None else (setup.draft_budget, 4)
+
+
+def _streamingllm(setup: MethodSetup, drafter: Drafter) -> Selector:
+    cache = setup.target_cache
+    return StreamingLLMSelector(*_budget(setup), cache.batch_slots, cache.seqlens.device)
+
+
+def _snapkv(setup: MethodSetup, drafter: Drafter) -> Selector:
+    return SnapKVSelector(*_budget(setup), setup.target, setup.target_cache, setup.backend)
+
+
+def _quest(setup: MethodSetup, drafter: Drafter) -> Selector:
+    return QuestSelector(*_budget(setup), setup.target_cache, setup.target.config, setup.target.embed.weight.dtype)
+
+
+_FULL_DRAFT = _model_drafter(lambda s: FullCacheView())
+METHODS: dict[str, Method] = {
+    "vanilla": Method(_no_draft, _full, "plain decoding, one token per step", needs_draft=False),
+    "classic": Method(_FULL_DRAFT, _full, "Classic SD: full-cache draft, full verification"),
+    "magicdec": Method(_model_drafter(lambda s: StreamingWindowView(s.draft_budget)), _full,
+                       "MagicDec: StreamingLLM-window draft (--draft-budget), full verification"),
+    "dustin-h": Method(_FULL_DRAFT, _dustin("h"), "Dustin-H: sparse verification, Eq. 6 hybrid set",
+                       needs_dustin=True, sparse=True),
+    "dustin-t": Method(_FULL_DRAFT, _dustin("t"), "Dustin-T: sparse verification by the target's history",
+                       needs_dustin=True, sparse=True),
+    "dustin-d": Method(_FULL_DRAFT, _dustin("d"), "Dustin-D: sparse verification by the draft's lookahead",
+                       needs_dustin=True, sparse=True),
+    "dustin-h-sparse-draft": Method(_model_drafter(_verification_set), _dustin("h"),
+                                    "Dustin-H whose draft also reads only the verification set", needs_dustin=True,
+                                    sparse=True),
+    "streamingllm": Method(_FULL_DRAFT, _streamingllm, "sparse verification by StreamingLLM's set (baseline)",
+                           sparse=True),
+    "snapkv": Method(_FULL_DRAFT, _snapkv, "sparse verification by SnapKV's prompt-time set (baseline)",
+                     sparse=True),
+    "quest": Method(_FULL_DRAFT, _quest, "sparse verification by Quest's page bounds (baseline)", sparse=True),
+    "dustin-h-adaptive": Method(_FULL_DRAFT, _dustin("h", adaptive=True),
+                                "Dustin-H with m from the draft's confidence (evaluation only)", needs_dustin=True,
+                                sparse=True, offered=False),
 }
+OFFERED_METHODS = tuple(name for name, method in METHODS.items() if method.offered)
 
 
-def build_decoder(method: str, setup: MethodSetup) -> VanillaDecoder | SpeculativeDecoder:
-    """A decoder for one of METHODS (the user-facing choices), or for an evaluation-only method (EVALUATION_METHODS:
-    measured by benchmarks/eval_quality.py, not offered as an option because it did not help)."""
-    if method in EVALUATION_METHODS:
-        return EVALUATION_METHODS[method](setup)
+def build_decoder(method: str, setup: MethodSetup) -> Decoder:
+    """The Decoder of a registered method, checked before anything is allocated beyond the caches given."""
     if method not in METHODS:
-        raise ConfigError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}")
-    return METHODS[method](setup)
+        raise ConfigError(f"method {method!r} is unknown; choose one of {', '.join(OFFERED_METHODS)}")
+    spec = METHODS[method]
+    if spec.needs_draft and (setup.draft is None or setup.draft_cache is None):
+        raise ConfigError(f"method {method} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
+    if spec.needs_dustin and setup.dustin is None:
+        raise ConfigError(f"{method} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
+                          "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")
+    if setup.gamma < 1 and spec.needs_draft:
+        raise ConfigError(f"gamma={setup.gamma} must be >= 1")
+    tcache = setup.target_cache
+    if spec.needs_draft:
+        dcache = setup.draft_cache
+        if (tcache.batch_slots, tcache.max_seq_len) != (dcache.batch_slots, dcache.max_seq_len):
+            raise ValueError(f"target and draft caches must have the same batch slots and max_seq_len; got "
+                             f"{tcache.batch_slots} x {tcache.max_seq_len} and {dcache.batch_slots} x "
+                             f"{dcache.max_seq_len}")
+    models = (setup.target, setup.draft) if spec.needs_draft else (setup.target,)
+    for model in models:  # read once here; the graphs record what they were captured with
+        model.kernels = setup.kernels
+    device = tcache.seqlens.device
+    graphs = PhaseGraphs(setup.use_cuda_graph and device.type == "cuda", setup.kernels)
+    drafter = spec.drafter(setup, graphs)
+    selector = spec.selector(setup, drafter)
+    if (selector.budget is not None) != spec.sparse:
+        raise RuntimeError(f"method {method}: its registry entry says sparse={spec.sparse}, its selector disagrees")
+    shared_vocab = setup.draft.config.vocab_size if spec.needs_draft else setup.target.config.vocab_size
+    return Decoder(method, setup.target, tcache, drafter, selector, setup.backend, graphs, setup.kernels,
+                   shared_vocab)

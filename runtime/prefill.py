@@ -1,4 +1,4 @@
-"""Chunked prefill of ragged prompts into slots 0..B-1 of a static cache.
+"""Chunked prefill of ragged prompts into consecutive slots of a static cache.
 
 All prompts start at position 0 and advance together chunk by chunk, so activation memory is bounded
 by the chunk; a shorter prompt's padding writes K/V past its length, which nothing reads and decoding
@@ -15,20 +15,24 @@ from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 
-__all__ = ["prefill", "slot_view"]
+__all__ = ["prefill", "slot_range"]
 
 
-def slot_view(cache: KVCache, batch: int) -> KVCache:
-    """The cache restricted to its first `batch` slots (views: writes land in the shared buffers)."""
-    if batch == cache.batch_slots:
+def slot_range(cache: KVCache, slots: slice) -> KVCache:
+    """The cache restricted to the consecutive slots [start, stop) (views: writes land in the shared buffers)."""
+    start, stop, step = slots.indices(cache.batch_slots)
+    if step != 1 or stop <= start:
+        raise ValueError(f"slots {slots} must be a non-empty run of consecutive batch slots")
+    if (start, stop) == (0, cache.batch_slots):
         return cache
-    return KVCache(cache.k[:, :batch], cache.v[:, :batch], cache.seqlens[:batch])
+    return KVCache(cache.k[:, start:stop], cache.v[:, start:stop], cache.seqlens[start:stop])
 
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, prompts: Sequence[Sequence[int]],
             chunk: int = 2048, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Write the prompts' K/V, set seqlens to the prompt lengths, return the last token's logits [B, V].
+    """Write the prompts' K/V into the cache's slots 0 .. B-1 (pass a `slot_range` view for others), set their
+    seqlens to the prompt lengths, return the last token's logits [B, V].
 
     For each layer in `capture_layers` also return the last prompt token's rotated queries [B, H_q, D]
     (Dustin's first target-history signal, paper Sec. 4.2.3).
@@ -41,7 +45,9 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
     tokens = torch.zeros(B, longest, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-    view = slot_view(cache, B)
+    if B > cache.batch_slots:
+        raise ValueError(f"{B} prompts for {cache.batch_slots} cache slots")
+    view = cache if B == cache.batch_slots else slot_range(cache, slice(0, B))
     view.seqlens.zero_()
     last_logits = torch.zeros(B, config.vocab_size, dtype=torch.float32, device=device)
     qdtype = model.embed.weight.dtype  # the model's: the cache may be fp8

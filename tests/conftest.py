@@ -15,6 +15,23 @@ if not torch.cuda.is_available():
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def vanilla_decoder(model, cache, backend: str = "reference", use_cuda_graph: bool = True):
+    """The registry's vanilla method (no draft, full verification) over `model` and its cache."""
+    from trtllm_dustin.attention import get_backend
+    from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+
+    return build_decoder("vanilla", MethodSetup(target=model, target_cache=cache, backend=get_backend(backend),
+                                                use_cuda_graph=use_cuda_graph))
+
+
+@pytest.fixture
+def plugin_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the plugins' PyTorch references instead of the Triton interpreter (the choice is made per
+    call): for end-to-end runtime tests, which would spend minutes interpreting kernels that their own tests and
+    test_speculative's Triton end-to-end test cover."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)

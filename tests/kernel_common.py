@@ -13,3 +13,11 @@ needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 # ||out - ref|| / ||ref|| and max |out - ref| / max |ref| per dtype (attention outputs).
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
+
+
+def write_tactics(path, entries: list[dict], gpu: str = "test") -> str:
+    """A skinny-GEMM tactic table file (plugins/linear_tactics.py) holding `entries`; returns its path."""
+    import json
+
+    path.write_text(json.dumps({"schema_version": 1, "gpu": gpu, "entries": entries}))
+    return str(path)

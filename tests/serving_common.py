@@ -13,16 +13,17 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig
 from trtllm_dustin.serving import ServingConfig
 
 WEIGHTS_SEED = 7
 MAX_SEQ_LEN = 96
 EOS = (1,)  # tiny-llama's
 DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))),
-                      budget=28, m=4, n_sink=4, n_recent=8, gamma=3)  # sparse: 28 of up to 96 positions
+                      budget=40, m=6, n_sink=4, n_recent=8, gamma=3)  # sparse: 40 of up to 96 positions (SnapKV's
+# window of 32 must fit in k)
 SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft",
                        methods=("classic", "vanilla", "dustin-h"), dustin=DUSTIN, max_batch=4,
                        max_seq_len=MAX_SEQ_LEN, queue_size=32, weights_seed=WEIGHTS_SEED, prefill_chunk=16)
@@ -57,10 +58,11 @@ def _models() -> tuple:
 
 
 def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                seed: int = 0) -> str:
+                seed: int = 0, draft=None) -> str:
     """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters."""
-    target, draft = _models()
-    speculative = method != "vanilla"
+    target, default_draft = _models()
+    draft = draft or default_draft
+    speculative = METHODS[method].needs_draft
     decoder = build_decoder(method, MethodSetup(
         target=target, target_cache=KVCache.allocate(target.config, 1, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft if speculative else None,

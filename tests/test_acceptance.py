@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from test_sampling import chi_square_p_value
 
-from trtllm_dustin.runtime.acceptance import greedy_accept, rejection_accept
-from trtllm_dustin.runtime.sampling import SamplingParams
+from trtllm_dustin.runtime.acceptors import greedy_accept, rejection_accept
+from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 
 PARAMS = SamplingParams(temperature=1.0)
 
@@ -26,7 +26,8 @@ def draws(p_logits: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> tuple[t
     gen = torch.Generator().manual_seed(seed)
     gamma, V = q.shape
     drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(gamma)], 1)
-    accepted, nxt = rejection_accept(drafts, q.expand(n, gamma, V), p_logits.expand(n, gamma + 1, V), PARAMS, gen)
+    sampling = SlotSampling([PARAMS] * n, gen, torch.device("cpu"))
+    accepted, nxt = rejection_accept(drafts, q.expand(n, gamma, V), p_logits.expand(n, gamma + 1, V), sampling)
     committed = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], nxt[:, None])
     return accepted, committed
 

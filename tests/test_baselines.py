@@ -1,7 +1,7 @@
 """Sparse-verification baselines (StreamingLLM, SnapKV, Quest) and input-aware m against plain-Python references.
 
 Each policy's index set is recomputed here by loops over sequences, layers, heads and positions (no code shared with
-runtime/baselines.py) on planted inputs, then checked inside the decoder: exactly k distinct in-range positions, the
+runtime/selectors/) on planted inputs, then checked inside the decoder: exactly k distinct in-range positions, the
 protected ones present, and lossless greedy output when k covers every length.
 """
 
@@ -19,7 +19,8 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
 from trtllm_dustin.plugins.selection import select_verify_indices, streaming_indices
-from trtllm_dustin.runtime.baselines import (
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.selectors import (
     adaptive_m,
     quest_indices,
     quest_page_scores,
@@ -27,8 +28,8 @@ from trtllm_dustin.runtime.baselines import (
     snapkv_priority,
     snapkv_scores,
 )
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 
+pytestmark = pytest.mark.usefixtures("plugin_references")  # end-to-end runs on the plugins' CPU references
 BASELINES = ["streamingllm", "snapkv", "quest", "dustin-h-adaptive"]
 
 
@@ -234,11 +235,11 @@ def test_sparse_sets_hold_k_distinct_positions_and_the_protected_ones(env: Env, 
     budget = 48
     decoder, result = sparse_run(env, sparse_runs, method)
     assert all(len(t) == 24 for t in result.tokens)
+    selector, lengths = decoder.selector, decoder.state.lengths
     with torch.inference_mode():
-        decoder.estimate()
-        decoder.select()
+        indices = selector.select(lengths, selector.estimate(lengths))
     for b, prompt in enumerate(PROMPTS):
-        length, row = int(decoder.tcache.seqlens[b]), decoder.indices[b]
+        length, row = int(lengths[b]), indices[b]
         chosen = valid(row)
         assert len(chosen) == len(set(chosen)) == min(budget, length) and all(0 <= j < length for j in chosen)
         if length <= budget:
@@ -258,35 +259,37 @@ def test_sparse_sets_hold_k_distinct_positions_and_the_protected_ones(env: Env, 
 def test_snapkv_in_the_decoder_ranks_the_prompt_like_the_reference(env: Env) -> None:
     budget = 48
     decoder, _ = run("snapkv", env, dustin=dustin_config(budget=budget, m=4))
+    selector, lengths = decoder.selector, decoder.state.lengths
     with torch.inference_mode():
-        decoder.select()
+        indices = selector.select(lengths, None)
     cfg = env.target.config
     for b, prompt in enumerate(PROMPTS):
-        queries, cache = _full_forward_queries(env, prompt, min(decoder.window, len(prompt)))
-        window_queries = [torch.zeros(1, decoder.window, cfg.num_heads, cfg.head_dim) for _ in queries]
+        queries, cache = _full_forward_queries(env, prompt, min(selector.window, len(prompt)))
+        window_queries = [torch.zeros(1, selector.window, cfg.num_heads, cfg.head_dim) for _ in queries]
         for layer, q in queries.items():
             window_queries[layer][:, : q.shape[1]] = q
         _, order = snapkv_ref(window_queries, [cache.k[layer] for layer in range(cfg.num_layers)], len(prompt), 0,
-                              decoder.window, decoder.kernel)
-        assert [int(x) for x in decoder.priority[b] if x >= 0] == order[:budget]
-        assert valid(decoder.indices[b]) == snapkv_set_ref(order, len(prompt), int(decoder.tcache.seqlens[b]), budget)
+                              selector.window, selector.kernel)
+        assert [int(x) for x in selector.priority[b] if x >= 0] == order[:budget]
+        assert valid(indices[b]) == snapkv_set_ref(order, len(prompt), int(lengths[b]), budget)
 
 
 def test_quest_in_the_decoder_scores_with_the_last_committed_query(env: Env) -> None:
     decoder, result = run("quest", env, dustin=dustin_config(budget=S_MAX, m=4), max_new=20)  # lossless: full K/V
+    selector = decoder.selector
     cfg = env.target.config
     for b, prompt in enumerate(PROMPTS):
-        length = int(decoder.tcache.seqlens[b])
+        length = int(decoder.state.lengths[b])
         committed = (prompt + result.tokens[b])[:length]
         queries, cache = _full_forward_queries(env, committed, 1)
-        for layer in decoder.target_capture_layers:
-            torch.testing.assert_close(decoder.history_q[layer][b], queries[layer][0, 0], rtol=1e-4, atol=1e-4)
+        for layer in selector.target_query_layers:
+            torch.testing.assert_close(selector.history_q[layer][b], queries[layer][0, 0], rtol=1e-4, atol=1e-4)
         with torch.inference_mode():
-            decoder.estimate()
-        layers = list(decoder.target_capture_layers)
+            page_scores = selector.estimate(decoder.state.lengths)
+        layers = list(selector.target_query_layers)
         ref_scores, _ = quest_ref([queries[layer][:, 0] for layer in layers], [cache.k[layer] for layer in layers],
                                   length, 0, 32, 16)
-        torch.testing.assert_close(decoder.page_scores[b, : len(ref_scores)], torch.tensor(ref_scores), rtol=1e-3,
+        torch.testing.assert_close(page_scores[b, : len(ref_scores)], torch.tensor(ref_scores), rtol=1e-3,
                                    atol=1e-4)
         got = quest_indices(torch.tensor([ref_scores + [0.0] * 20]), torch.tensor([length], dtype=torch.int32), 32)
         assert valid(got[0]) == quest_ref([queries[layer][:, 0] for layer in layers],
@@ -297,12 +300,12 @@ def test_quest_in_the_decoder_scores_with_the_last_committed_query(env: Env) -> 
 def test_adaptive_dustin_uses_the_drafts_confidence(env: Env, sparse_runs: dict) -> None:
     decoder, _ = sparse_run(env, sparse_runs, "dustin-h-adaptive")
     free = 48 - 4 - 8
-    conf = decoder.draft_confidence
+    conf = decoder.drafter.confidence
     assert bool(((conf > 0) & (conf <= 1)).all())
-    assert decoder.m_per_sequence.tolist() == adaptive_m(conf, free).tolist()
+    assert decoder.selector.draft_share().tolist() == adaptive_m(conf, free).tolist()
     with torch.inference_mode():
-        logits = decoder._draft_forward(0)
-    torch.testing.assert_close(decoder.draft_confidence[:, 0], torch.softmax(logits, -1).amax(-1))
+        logits = decoder.drafter._forward(decoder.state, 0)
+    torch.testing.assert_close(decoder.drafter.confidence[:, 0], torch.softmax(logits, -1).amax(-1))
 
 
 @pytest.mark.parametrize("method", BASELINES)
@@ -316,8 +319,7 @@ def test_baselines_without_a_draft_or_config_say_what_to_pass(env: Env, method: 
 def test_input_aware_m_is_evaluation_only() -> None:
     """It lost to the fixed m on the H200 quality run, so the CLI does not offer it; eval_quality still builds it."""
     from trtllm_dustin.cli import build_parser
-    from trtllm_dustin.runtime.methods import EVALUATION_METHODS, METHODS
 
-    assert "dustin-h-adaptive" in EVALUATION_METHODS and "dustin-h-adaptive" not in METHODS
+    assert not METHODS["dustin-h-adaptive"].offered and "dustin-h-adaptive" not in OFFERED_METHODS
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--method", "dustin-h-adaptive", "--prompt", "x"])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
+from conftest import vanilla_decoder
 
-from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 
 def test_generate_prints_tokens_and_timings(capsys) -> None:
@@ -25,10 +25,10 @@ def test_eos_stops_a_sequence_and_others_continue() -> None:
     model = load_model("preset:tiny-llama", dtype=torch.float64, seed=1).model
     prompts = [[3, 4, 5], [9, 8, 7, 6]]
     cache = KVCache.allocate(model.config, 2, 64, torch.float64, "cpu")
-    free_run = VanillaDecoder(model, cache, get_backend("reference")).generate(
+    free_run = vanilla_decoder(model, cache).generate(
         prompts, GenerationConfig(max_new_tokens=12)).tokens
     eos = free_run[0][4]  # make the 5th token of sequence 0 an end-of-sequence token
-    stopped = VanillaDecoder(model, cache, get_backend("reference")).generate(
+    stopped = vanilla_decoder(model, cache).generate(
         prompts, GenerationConfig(max_new_tokens=12, eos_token_ids=(eos,), sync_every=3)).tokens
     first = free_run[0].index(eos)
     assert stopped[0] == free_run[0][: first + 1]
@@ -41,7 +41,7 @@ def test_eos_stops_a_sequence_and_others_continue() -> None:
 def test_sampled_generation_is_reproducible_with_a_seed() -> None:
     model = load_model("preset:tiny-qwen", seed=2).model
     cache = KVCache.allocate(model.config, 2, 40, torch.float32, "cpu")
-    decoder = VanillaDecoder(model, cache, get_backend("reference"))
+    decoder = vanilla_decoder(model, cache)
     config = GenerationConfig(max_new_tokens=16, sampling=SamplingParams(1.0, 0.95, seed=11))
     a = decoder.generate([[1, 2, 3], [4, 5]], config).tokens
     b = decoder.generate([[1, 2, 3], [4, 5]], config).tokens

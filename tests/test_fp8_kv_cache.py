@@ -26,8 +26,8 @@ from trtllm_dustin.plugins.reference import (  # noqa: E402
     srh_score_ref,
     verify_attention_ref,
 )
+from trtllm_dustin.runtime.generation import GenerationConfig  # noqa: E402
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder  # noqa: E402
-from trtllm_dustin.runtime.vanilla import GenerationConfig  # noqa: E402
 
 FP8 = FP8_KV_DTYPE
 

@@ -1,5 +1,5 @@
-"""The decoder with fused elementwise kernels (Transformer.fused_elementwise) against its module code: logits, the
-K/V written to the cache, captured queries, the logit_index path, and whole greedy generations.
+"""The decoder with fused elementwise kernels (Transformer.kernels.fused_elementwise) against its module code: logits,
+the K/V written to the cache, captured queries, the logit_index path, and whole greedy generations.
 
 CPU: the fused kernels run under TRITON_INTERPRET=1 (tests/conftest.py); on a GPU the same tests use CUDA tensors.
 """
@@ -12,15 +12,16 @@ from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
+from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
-from trtllm_dustin.runtime.vanilla import GenerationConfig
 
 pytestmark = needs_kernel
 BACKEND = "triton" if DEVICE == "cuda" else "reference"
 
 
 def forward(model, fused: bool, tokens, lens, logit_index=None):
-    model.fused_elementwise = fused
+    model.kernels = KernelConfig(fused_elementwise=fused)
     cache = KVCache.allocate(model.config, tokens.shape[0], 64, torch.float32, DEVICE)
     torch.manual_seed(0)
     cache.k.normal_()  # earlier context: whatever is there, both paths must leave it alone and read it the same
@@ -31,7 +32,7 @@ def forward(model, fused: bool, tokens, lens, logit_index=None):
     with torch.inference_mode():
         logits = model(tokens, cache, AttentionMetadata(cache_seqlens=cache.seqlens), get_backend(BACKEND),
                        logit_index=logit_index, capture=capture)
-    model.fused_elementwise = False
+    model.kernels = KernelConfig(fused_elementwise=False)
     return logits, cache, capture.queries[1]
 
 
@@ -69,23 +70,24 @@ def test_fused_greedy_generation_equals_the_module_code() -> None:
     prompts = [list(range(5, 45)), [9, 8, 7], [200 + i % 13 for i in range(30)]]
     runs = []
     for fused in (False, True):
-        target.fused_elementwise = draft.fused_elementwise = fused
+        kernels = KernelConfig(fused_elementwise=fused)  # build_decoder gives it to both models
         setup = MethodSetup(target=target, target_cache=KVCache.allocate(target.config, 3, 96, torch.float32, DEVICE),
-                            backend=get_backend(BACKEND), draft=draft,
+                            backend=get_backend(BACKEND, kernels), draft=draft,
                             draft_cache=KVCache.allocate(draft.config, 3, 96, torch.float32, DEVICE), gamma=3,
-                            dustin=dustin_config(budget=24, m=4, n_recent=8))
+                            dustin=dustin_config(budget=24, m=4, n_recent=8), kernels=kernels)
         runs.append(build_decoder("dustin-h", setup).generate(prompts, GenerationConfig(max_new_tokens=12,
                                                                                         prefill_chunk=16)))
-    target.fused_elementwise = draft.fused_elementwise = False
+    target.kernels = draft.kernels = KernelConfig(fused_elementwise=False)
     assert runs[1].tokens == runs[0].tokens and all(len(t) == 12 for t in runs[0].tokens)
     assert runs[1].committed_hist == runs[0].committed_hist
 
 
-def test_fused_default_is_on_for_cuda_inputs_and_follows_the_environment(monkeypatch) -> None:
-    """Unset: None (fused for CUDA inputs, the module code for CPU ones); "1" forces it on, "0" off."""
-    monkeypatch.delenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", raising=False)
+def test_fused_default_is_on_for_cuda_inputs_and_ignores_the_environment(monkeypatch) -> None:
+    """The default KernelConfig's None: fused for CUDA inputs, the module code for CPU ones. The model reads no
+    environment variable (KernelConfig.from_env does, where an entry point asks for it)."""
+    monkeypatch.setenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", "1")
     model = load_model("preset:tiny-llama", device="cpu", seed=0).model
-    assert model.fused_elementwise is None
+    assert model.kernels == KernelConfig() and model.kernels.fused_elementwise is None
 
     def no_fused(*args, **kwargs):
         raise AssertionError("the fused path ran for CPU inputs with fused_elementwise=None")
@@ -97,6 +99,3 @@ def test_fused_default_is_on_for_cuda_inputs_and_follows_the_environment(monkeyp
     with torch.inference_mode():
         logits = model(tokens, cache, AttentionMetadata(cache_seqlens=cache.seqlens), get_backend("reference"))
     assert logits.shape == (1, 2, model.config.vocab_size) and torch.isfinite(logits).all()
-    for value, expected in (("1", True), ("0", False)):
-        monkeypatch.setenv("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", value)
-        assert load_model("preset:tiny-llama", device="cpu", seed=0).model.fused_elementwise is expected

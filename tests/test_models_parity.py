@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf_model
+from conftest import tiny_hf_model, vanilla_decoder
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 1]]
 
@@ -51,7 +51,7 @@ def test_greedy_tokens_match_transformers_generate(checkpoint, device: torch.dev
     hf, path = checkpoint
     model = load_model(str(path), device=device, dtype=torch.float32).model
     cache = KVCache.allocate(model.config, len(PROMPTS), 64, torch.float32, device)
-    decoder = VanillaDecoder(model, cache, get_backend("reference"))
+    decoder = vanilla_decoder(model, cache)
     result = decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=32, prefill_chunk=5))
     for prompt, got in zip(PROMPTS, result.tokens, strict=True):
         assert got == hf_greedy(hf, prompt, 32)
@@ -68,9 +68,9 @@ def test_ragged_batch_equals_each_sequence_alone(device: torch.device) -> None:
     model = load_model("preset:tiny-llama", device=device, dtype=torch.float64, seed=3).model
     config = GenerationConfig(max_new_tokens=20, prefill_chunk=4, sampling=SamplingParams())
     batch_cache = KVCache.allocate(model.config, 4, 64, torch.float64, device)
-    together = VanillaDecoder(model, batch_cache, get_backend("reference")).generate(PROMPTS, config).tokens
+    together = vanilla_decoder(model, batch_cache).generate(PROMPTS, config).tokens
     for prompt, expected in zip(PROMPTS, together, strict=True):
         cache = KVCache.allocate(model.config, 1, 64, torch.float64, device)
-        alone = VanillaDecoder(model, cache, get_backend("reference")).generate([prompt], config).tokens[0]
+        alone = vanilla_decoder(model, cache).generate([prompt], config).tokens[0]
         assert alone == expected
     assert len({tuple(t) for t in together}) == len(PROMPTS)  # the prompts really lead to different outputs

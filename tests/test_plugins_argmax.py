@@ -107,7 +107,7 @@ def test_cuda_graph_replay() -> None:
 
 
 @needs_kernel
-def test_round_kernels_off_runs_torch(monkeypatch) -> None:
+def test_use_kernel_false_runs_torch(monkeypatch) -> None:
     import trtllm_dustin.plugins.argmax as argmax_module
 
     def refuse(*args) -> None:
@@ -117,5 +117,4 @@ def test_round_kernels_off_runs_torch(monkeypatch) -> None:
     x = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     with pytest.raises(AssertionError, match="the kernel ran"):
         argmax_last(x)
-    monkeypatch.setenv("TRTLLM_DUSTIN_ROUND_KERNELS", "0")
-    assert torch.equal(argmax_last(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_last(x, use_kernel=False), x.argmax(dim=-1))

@@ -366,13 +366,14 @@ def test_opcheck():
     x, delta, weight = torch.randn(3, 64, device=DEVICE), torch.randn(3, 64, device=DEVICE), torch.randn(64,
                                                                                                        device=DEVICE)
     torch.library.opcheck(torch.ops.trtllm_dustin.add_rms_norm.default,
-                          (x, delta, weight, EPS, torch.empty_like(x), torch.empty_like(x)), test_utils=tests)
+                          (x, delta, weight, EPS, torch.empty_like(x), torch.empty_like(x), False), test_utils=tests)
     torch.library.opcheck(torch.ops.trtllm_dustin.add_rms_norm.default,
-                          (x, None, weight, EPS, torch.empty_like(x), None), test_utils=tests)
+                          (x, None, weight, EPS, torch.empty_like(x), None, False), test_utils=tests)
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in rope_args().items()}
     args["positions"] = torch.tensor([[0, 1, 2], [5, 6, 7]], device=DEVICE)
-    torch.library.opcheck(torch.ops.trtllm_dustin.rope_qkv_to_cache.default, tuple(args.values()), test_utils=tests)
-    torch.library.opcheck(torch.ops.trtllm_dustin.silu_mul.default, (torch.randn(3, 2, 96, device=DEVICE),),
+    torch.library.opcheck(torch.ops.trtllm_dustin.rope_qkv_to_cache.default, (*args.values(), False),
+                          test_utils=tests)
+    torch.library.opcheck(torch.ops.trtllm_dustin.silu_mul.default, (torch.randn(3, 2, 96, device=DEVICE), False),
                           test_utils=tests)
 
 

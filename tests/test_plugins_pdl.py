@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (plugins/pdl.py): when it is on, and that a PDL launch never reads what the kernel
-before it in the stream is still writing.
+"""Programmatic dependent launch (plugins/pdl.py): where it is supported, and that a PDL launch never reads what the
+kernel before it in the stream is still writing.
 
 The GPU test chains, inside one CUDA graph, the kernels that run back to back in a verify layer: the fused rotary +
 cache write produces q and the new tokens' K/V, and the attention kernel launched right after it must see them.
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import needs_cuda  # noqa: E402
+from kernel_common import needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import pdl  # noqa: E402
 from trtllm_dustin.plugins.fused_ops import rope_qkv_to_cache, rope_qkv_to_cache_ref  # noqa: E402
@@ -19,13 +19,24 @@ from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attentio
 from trtllm_dustin.plugins.verify_attention import verify_attention_forward  # noqa: E402
 
 
-def test_off_on_cpu_and_by_env(monkeypatch):
-    monkeypatch.delenv("TRTLLM_DUSTIN_PDL", raising=False)
-    assert not pdl.pdl_enabled(torch.device("cpu"))
+def test_unsupported_on_cpu_and_ignores_the_environment(monkeypatch):
+    """Support is the hardware's and Triton's; the TRTLLM_DUSTIN_PDL switch is KernelConfig's, never read here."""
+    monkeypatch.setenv("TRTLLM_DUSTIN_PDL", "1")
+    assert not pdl.pdl_supported(torch.device("cpu"))
     assert pdl.launch_kwargs(False) == {}
     assert pdl.launch_kwargs(True) == {"launch_pdl": True}
-    monkeypatch.setenv("TRTLLM_DUSTIN_PDL", "0")
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
+    assert pdl.gdc_args(False) == {"USE_GDC": False}
+
+
+@needs_kernel
+def test_a_cpu_launch_asked_for_pdl_runs_without_it():
+    """pdl=True on a device without PDL launches plainly (the CPU interpreter has no launch_pdl option)."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 2, 4, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    seqlens = torch.tensor([30, 5], dtype=torch.int32)
+    out, lse = torch.full_like(q, float("nan")), torch.empty(2, 2, 4)
+    verify_attention_forward(q, k, v, seqlens, 0.25, out, lse, pdl=True)
+    torch.testing.assert_close(out, verify_attention_ref(q, k, v, seqlens, 0.25), rtol=1e-5, atol=1e-5)
 
 
 def _rope_tables(head_dim, positions):
@@ -40,8 +51,8 @@ def _rope_tables(head_dim, positions):
 def test_attention_sees_what_the_previous_kernel_wrote(kind):
     """rope_qkv_to_cache then attention, captured in one graph with PDL on, replayed on new inputs: the attention
     output equals the float64 reference on the caches and q the rotary kernel wrote in the same replay."""
-    if not pdl.pdl_enabled(torch.device("cuda")):
-        pytest.skip("PDL is off here (Triton without launch_pdl, pre-sm_90, or TRTLLM_DUSTIN_PDL=0)")
+    if not pdl.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL is not supported here (Triton without launch_pdl, or pre-sm_90)")
     torch.manual_seed(5)
     batch, t, heads, heads_kv, head_dim, length = 4, 4, 32, 8, 128, 3000
     s_max = length + 8
@@ -62,7 +73,7 @@ def test_attention_sees_what_the_previous_kernel_wrote(kind):
     q_holder = {}
 
     def step():
-        q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, heads_kv, head_dim)
+        q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, heads_kv, head_dim, pdl=True)
         q_holder["q"] = q
         if kind == "full":
             verify_attention_forward(q, k_cache, v_cache, seqlens, scale, out, lse, pdl=True)

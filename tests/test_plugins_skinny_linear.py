@@ -1,9 +1,12 @@
 """The skinny-M linear kernel against a float64 matmul: odd M / N / K, bias, split-K (counters back at 0 for the
-next call), both tile orientations, strided rows, poisoned outputs; the op's dispatch and its error messages.
+next call), both tile orientations, strided rows, poisoned outputs; the op's dispatch by the KernelConfig's tactic
+table and switches, and its error messages.
 
 CPU: runs the Triton kernel under TRITON_INTERPRET=1; the same tests run on CUDA tensors when a GPU is present
-(there also inside a CUDA graph, where launches use PDL and the L2 weight prefetch).
+(there also inside a CUDA graph, where launches use PDL).
 """
+
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -11,14 +14,15 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
+from kernel_common import DEVICE, needs_cuda, needs_kernel, write_tactics  # noqa: E402
 
+from trtllm_dustin.plugins.kernel_config import KernelConfig  # noqa: E402
+from trtllm_dustin.plugins.linear_tactics import LinearConfig  # noqa: E402
+from trtllm_dustin.plugins.pdl import pdl_supported  # noqa: E402
 from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
+    DEFAULT_KERNELS,
     MAX_ROWS,
-    TUNED,
-    LinearConfig,
     SplitKWorkspace,
-    pick_config,
     skinny_linear,
     skinny_linear_forward,
 )
@@ -80,69 +84,79 @@ def test_leading_dims_and_strided_rows() -> None:
     assert_close_to_f64(out, reference(rows, w, None), 160)
 
 
-@needs_kernel
-def test_op_dispatch(monkeypatch) -> None:
-    """Tuned shapes run the kernel (split-K ones only with a workspace); everything else is F.linear, bit for bit."""
+def table_entry(config: LinearConfig, rows: int = 16, n: int = 40, k: int = 96, tie: bool = False) -> dict:
+    return {"rows": rows, "n": n, "k": k, "config": asdict(config), "tie": tie}
+
+
+def record_launches(monkeypatch) -> list:
+    """The LinearConfig of every kernel launch skinny_linear makes from now on."""
     import trtllm_dustin.plugins.skinny_linear as module
 
     launched = []
     real_forward = module.skinny_linear_forward
     monkeypatch.setattr(module, "skinny_linear_forward", lambda *a, **k: launched.append(a[3]) or real_forward(*a, **k))
+    return launched
+
+
+@needs_kernel
+def test_op_dispatch(monkeypatch, tmp_path) -> None:
+    """Shapes in the table run the kernel (split-K ones only with a workspace); everything else is F.linear, bit for
+    bit: shapes not in the table, prefill-sized inputs, fp32, and KernelConfig(skinny_linear=False)."""
+    launched = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
     b = torch.randn(40, generator=gen).to(DEVICE, torch.bfloat16)
     few = torch.randn(2, 4, 96, generator=gen).to(DEVICE, torch.bfloat16)  # 8 rows: the 16-row bucket
-    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b)) and not launched  # untuned shape
+    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b)) and not launched  # not in the packaged table
     single = LinearConfig(block_n=16, block_k=32, num_stages=2)
-    monkeypatch.setitem(TUNED, (16, 40, 96), single)
-    assert_close_to_f64(skinny_linear(few, w, b), reference(few, w, b), 96)
+    kernels = KernelConfig(linear_tactics=write_tactics(tmp_path / "single.json", [table_entry(single)]))
+    assert_close_to_f64(skinny_linear(few, w, b, kernels=kernels), reference(few, w, b), 96)
     assert launched == [single]
     split = LinearConfig(block_n=16, block_k=32, split_k=3, num_stages=2)
-    monkeypatch.setitem(TUNED, (16, 40, 96), split)
-    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b)) and launched == [single]  # no workspace
+    kernels = KernelConfig(linear_tactics=write_tactics(tmp_path / "split.json", [table_entry(split)]))
+    assert torch.equal(skinny_linear(few, w, b, kernels=kernels), F.linear(few, w, b))  # no workspace
+    assert launched == [single]
     workspace = SplitKWorkspace.for_outputs(40, few.device)
-    assert_close_to_f64(skinny_linear(few, w, b, workspace), reference(few, w, b), 96)
+    assert_close_to_f64(skinny_linear(few, w, b, workspace, kernels=kernels), reference(few, w, b), 96)
     assert launched == [single, split] and int(workspace.counters.abs().sum()) == 0
     many = torch.randn(MAX_ROWS + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # a prefill chunk: cuBLAS
-    assert torch.equal(skinny_linear(many, w, b), F.linear(many, w, b))
+    assert torch.equal(skinny_linear(many, w, b, kernels=kernels), F.linear(many, w, b))
     fp32 = few.float()
-    assert torch.equal(skinny_linear(fp32, w.float(), b.float()), F.linear(fp32, w.float(), b.float()))
-    monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_LINEAR", "0")
-    assert torch.equal(skinny_linear(few, w, b), F.linear(few, w, b))
+    assert torch.equal(skinny_linear(fp32, w.float(), b.float(), kernels=kernels), F.linear(fp32, w.float(), b.float()))
+    off = KernelConfig(skinny_linear=False, linear_tactics=kernels.linear_tactics)
+    assert torch.equal(skinny_linear(few, w, b, workspace, kernels=off), F.linear(few, w, b))
     assert len(launched) == 2
 
 
-def test_a_tie_runs_the_kernel_only_on_a_pdl_launch(monkeypatch) -> None:
-    """A shape that tied with cuBLAS runs the kernel only where the launch uses PDL (sm_90 GPUs); elsewhere, without
-    pdl=True, or with TRTLLM_DUSTIN_SKINNY_TIES=0 it stays on F.linear."""
-    import trtllm_dustin.plugins.skinny_linear as module
-    from trtllm_dustin.plugins.pdl import pdl_enabled
-
-    launched = []
-    real_forward = module.skinny_linear_forward
-    monkeypatch.setattr(module, "skinny_linear_forward", lambda *a, **k: launched.append(a[3]) or real_forward(*a, **k))
+@needs_kernel
+def test_a_tie_runs_the_kernel_only_on_a_pdl_launch(monkeypatch, tmp_path) -> None:
+    """A shape that tied with cuBLAS runs the kernel only where the launch uses PDL (pdl and skinny_pdl and
+    skinny_ties, on a device that supports it: sm_90 GPUs); anywhere else it stays on F.linear."""
+    launched = record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(40, 96, generator=gen).to(DEVICE, torch.bfloat16)
     x = torch.randn(5, 96, generator=gen).to(DEVICE, torch.bfloat16)
-    tie = LinearConfig(block_n=16, block_k=32, num_stages=2, tie=True)
-    monkeypatch.setitem(TUNED, (16, 40, 96), tie)
-    assert torch.equal(skinny_linear(x, w), F.linear(x, w)) and not launched  # no PDL asked for
-    out = skinny_linear(x, w, pdl=True)
-    if pdl_enabled(x.device):
+    tie = LinearConfig(block_n=16, block_k=32, num_stages=2)
+    path = write_tactics(tmp_path / "tie.json", [table_entry(tie, tie=True)])
+    for switches in (dict(pdl=False), dict(skinny_pdl=False), dict(skinny_ties=False)):
+        assert torch.equal(skinny_linear(x, w, kernels=KernelConfig(linear_tactics=path, **switches)), F.linear(x, w))
+    assert not launched
+    out = skinny_linear(x, w, kernels=KernelConfig(linear_tactics=path))
+    if pdl_supported(x.device):
         assert launched == [tie]
         assert_close_to_f64(out, reference(x, w, None), 96)
     else:
         assert torch.equal(out, F.linear(x, w)) and not launched
-    monkeypatch.setenv("TRTLLM_DUSTIN_SKINNY_TIES", "0")
-    assert torch.equal(skinny_linear(x, w, pdl=True), F.linear(x, w)) and len(launched) <= 1
 
 
-def test_pick_config() -> None:
-    (rows, n, k), tuned = next(iter(TUNED.items()))
-    assert pick_config(rows, n, k) is tuned
-    assert pick_config(rows - 1, n, k) is tuned  # rows round up to the tuned bucket
-    assert pick_config(rows, n + 16, k) is None  # not measured: F.linear
-    assert any(c is None for c in TUNED.values()), "shapes where cuBLAS won stay on cuBLAS"
+def test_the_packaged_table_keys_by_row_bucket() -> None:
+    tactics = DEFAULT_KERNELS.tactics
+    entry = tactics.lookup(64, 28672, 4096)  # Llama-8B's gate/up at 64 rows
+    assert entry.config == LinearConfig(block_n=128, block_k=128, split_k=1, swap=False, num_warps=8, num_stages=4)
+    assert tactics.lookup(33, 28672, 4096) is entry  # rows round up to the bucket
+    assert tactics.lookup(32, 28672, 4096) is not entry
+    assert tactics.lookup(64, 28672 + 16, 4096) is None  # not measured: F.linear
+    assert any(e.config is None for e in tactics.entries), "shapes where cuBLAS won stay on cuBLAS"
 
 
 def test_errors() -> None:
@@ -169,7 +183,8 @@ def test_cuda_graph_chain() -> None:
     x = torch.randn(16, 8192, generator=gen, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(2048, 8192, generator=gen, device="cuda", dtype=torch.bfloat16) / 8192 ** 0.5
     w2 = torch.randn(128256, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
-    assert pick_config(16, 2048, 8192).split_k > 1 and pick_config(16, 128256, 2048) is not None
+    tactics = DEFAULT_KERNELS.tactics
+    assert tactics.lookup(16, 2048, 8192).config.split_k > 1 and tactics.lookup(16, 128256, 2048).config is not None
     workspace = SplitKWorkspace.for_outputs(2048, x.device)
     step = lambda: skinny_linear(skinny_linear(x, w1, None, workspace), w2)  # noqa: E731
     step()

@@ -136,15 +136,12 @@ def test_all_indices_equal_full_attention(length, t, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_splits, block_m, prefetch_indices, fused_combine, new_separate",
-                         [(1, 16, False, True, False), (2, 32, True, True, False), (2, 32, True, False, False),
-                          (7, 64, False, True, False), (7, 16, False, False, False), (3, 16, True, True, False),
-                          (1, 64, True, True, True), (2, 32, True, True, True), (3, 16, False, False, True),
-                          (7, 64, True, True, True)])
-def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combine, new_separate):
-    """Key splits (merged in-kernel or by a second launch), query-row blocks, index prefetching and folding the new
-    tokens in after the walk change the schedule, not the result; the in-kernel merge leaves its arrival counters
-    at zero for the next launch."""
+@pytest.mark.parametrize("num_splits, block_m, new_separate",
+                         [(1, 16, False), (2, 32, False), (7, 64, False), (7, 16, False), (3, 16, False),
+                          (1, 64, True), (2, 32, True), (3, 16, True), (7, 64, True)])
+def test_launch_configs_agree(num_splits, block_m, new_separate):
+    """Key splits (merged in-kernel), query-row blocks and folding the new tokens in after the walk change the
+    schedule, not the result; the in-kernel merge leaves its arrival counters at zero for the next launch."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward, split_counters
 
     torch.manual_seed(num_splits)
@@ -158,27 +155,27 @@ def test_launch_configs_agree(num_splits, block_m, prefetch_indices, fused_combi
         out = torch.full_like(q, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
         sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse,
-                                        num_splits=num_splits, block_m=block_m, prefetch_indices=prefetch_indices,
-                                        fused_combine=fused_combine, new_separate=new_separate)
+                                        num_splits=num_splits, block_m=block_m, new_separate=new_separate)
         assert_close(out, expected, torch.float32)
         torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)  # the merged log-sum-exp, same as one pass
-    if fused_combine and num_splits > 1:
+    if num_splits > 1:
         assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 @needs_kernel
 @pytest.mark.parametrize("new_separate", [False, True])
-def test_wide_tile_masks_the_rows_past_t_times_g(new_separate):
-    """wide_tile keeps a 64-row tile for 16 query rows: the 48 padding rows are masked, the result is unchanged."""
+def test_the_64_row_tile_masks_the_rows_past_t_times_g(new_separate):
+    """Above 16 query rows the default tile has 64 rows, more than T * G = 20 here: the 44 padding rows are masked,
+    the result is unchanged."""
     from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
 
     torch.manual_seed(21)
     q, k_cache, v_cache, k_clean, v_clean, seqlens, indices = make_problem(
-        700, 4, 2, 4, 64, torch.float32, 300, "scattered")
+        700, 5, 2, 4, 64, torch.float32, 300, "scattered")
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=DEVICE)
     sparse_verify_attention_forward(q, k_cache, v_cache, seqlens, indices, 0.125, out, lse, num_splits=1,
-                                    block_m=64, wide_tile=True, new_separate=new_separate)
+                                    new_separate=new_separate)
     assert_close(out, reference(q, k_clean, v_clean, seqlens, indices, 0.125), torch.float32)
     assert torch.isfinite(lse).all()
 
@@ -251,7 +248,7 @@ def test_opcheck():
     seqlens = torch.tensor([30, 5], dtype=torch.int32, device=DEVICE)
     indices = torch.tensor([[0, 3, 9, -1], [4, 1, -1, -1]], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(torch.ops.trtllm_dustin.sparse_verify_attention.default,
-                          (q, k, v, seqlens, indices, 0.25, torch.empty_like(q)),
+                          (q, k, v, seqlens, indices, 0.25, torch.empty_like(q), False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

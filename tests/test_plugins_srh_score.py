@@ -181,5 +181,5 @@ def test_opcheck():
     seqlens = torch.tensor([30, 5], dtype=torch.int32, device=DEVICE)
     out = torch.empty(2, 40, device=DEVICE)
     torch.library.opcheck(torch.ops.trtllm_dustin.srh_score.default,
-                          (q, k, seqlens, [1, 3], None, 0.25, out, False),
+                          (q, k, seqlens, [1, 3], None, 0.25, out, False, False),
                           test_utils=("test_schema", "test_faketensor"))

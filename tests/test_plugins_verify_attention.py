@@ -212,5 +212,5 @@ def test_opcheck():
     seqlens = torch.tensor([30, 5], dtype=torch.int32, device=DEVICE)
     out, lse = torch.empty_like(q), torch.empty(2, 2, 4, device=DEVICE)
     torch.library.opcheck(torch.ops.trtllm_dustin.verify_attention.default,
-                          (q, k, v, seqlens, 0.25, 0, out, lse),
+                          (q, k, v, seqlens, 0.25, 0, out, lse, False),
                           test_utils=("test_schema", "test_faketensor"))

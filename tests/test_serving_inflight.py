@@ -14,17 +14,25 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig, write_model_repository
 from trtllm_dustin.serving.engine import GenerationRequest, QueueFullError, RequestError, ServingEngine
 from trtllm_dustin.serving.text import CodepointCodec, IncrementalDetokenizer, StopStrings
 
-METHODS = ["vanilla", "classic", "magicdec", "dustin-h"]
+# Every registered method, named here on purpose: registering a method fails test_every_method_is_covered until it
+# is added (with whatever setup it needs) to the in-flight parity test below.
+COVERED = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-t", "dustin-d", "dustin-h-sparse-draft",
+           "streamingllm", "snapkv", "quest", "dustin-h-adaptive")
 
 
-def _batcher(method: str, slots: int) -> InflightBatcher:
-    target, draft = _models()
+def test_every_method_is_covered() -> None:
+    assert set(COVERED) == set(METHODS), f"covered {sorted(COVERED)}, registered {sorted(METHODS)}"
+
+
+def _batcher(method: str, slots: int, draft=None) -> InflightBatcher:
+    target, default_draft = _models()
+    draft = draft or default_draft
     decoder = build_decoder(method, MethodSetup(
         target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft,
@@ -33,15 +41,8 @@ def _batcher(method: str, slots: int) -> InflightBatcher:
     return InflightBatcher(decoder, EOS, prefill_chunk=16)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
-    """10 requests (greedy and sampled, own limits) through 3 slots, admitted as slots free up."""
-    g = torch.Generator().manual_seed(5)
-    requests = [SlotRequest([ord(c) for c in prompt_text(i, int(torch.randint(1, 40, (1,), generator=g)))],
-                            int(torch.randint(1, 30, (1,), generator=g)),
-                            SamplingParams(0.0) if i % 2 else SamplingParams(0.9, 0.85, seed=100 + i))
-                for i in range(10)]
-    batcher = _batcher(method, slots=3)
+def _serve(batcher: InflightBatcher, requests: list[SlotRequest]) -> dict[int, list[int]]:
+    """Requests admitted in order as slots free up, each slot released when it finishes -> tokens per request."""
     got: dict[int, list[int]] = {}
     owner: dict[int, int] = {}
     waiting = list(enumerate(requests))
@@ -60,10 +61,48 @@ def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
                 if update.finished:
                     batcher.release(update.slot)
     assert not batcher.busy and not waiting
+    return got
+
+
+def _requests(n: int, sampled_every: int = 2) -> list[SlotRequest]:
+    g = torch.Generator().manual_seed(5)
+    return [SlotRequest([ord(c) for c in prompt_text(i, int(torch.randint(1, 40, (1,), generator=g)))],
+                        int(torch.randint(1, 30, (1,), generator=g)),
+                        SamplingParams(0.9, 0.85, seed=100 + i) if i % sampled_every == 0 else SamplingParams(0.0))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("method", COVERED)
+def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
+    """10 requests (greedy and sampled, own limits, prompts of 1-39 tokens so that the sparse methods both keep all
+    and select) through 3 slots, admitted as slots free up: each gets exactly what that method's own generate()
+    gives its prompt alone; served twice, the sampled ones repeat exactly."""
+    requests = _requests(10)
+    got = _serve(_batcher(method, slots=3), requests)
     for k, r in enumerate(requests):
         s = r.sampling
         want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, s.temperature, s.top_p, s.seed)
         assert "".join(map(chr, got[k])) == want, f"request {k} ({s})"
+    assert _serve(_batcher(method, slots=2), requests) == got
+
+
+def test_sampled_requests_with_a_draft_of_a_smaller_padded_vocabulary(tmp_path: Path) -> None:
+    """A draft whose table has fewer rows than the target's (as Qwen2.5-0.5B's 151936 against 7B's 152064): sampled
+    requests through the in-flight path take the draft's distributions over the shared ids only."""
+    from trtllm_dustin.models.loading import _empty_model, _random_init
+    from trtllm_dustin.models.presets import get_preset
+
+    small = _empty_model(get_preset("tiny-llama-draft").with_(vocab_size=200, name="small-vocab"), torch.device("cpu"),
+                         torch.float32, None)
+    _random_init(small, seed=3)
+    requests = [SlotRequest([ord(c) for c in prompt_text(i, 12 + i) if ord(c) < 200], 20,
+                            SamplingParams(1.0, 0.95, seed=i)) for i in range(5)]
+    for method in ("classic", "dustin-h"):
+        got = _serve(_batcher(method, slots=2, draft=small), requests)
+        for k, r in enumerate(requests):
+            assert max(got[k]) < 200
+            want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, 1.0, 0.95, k, draft=small)
+            assert "".join(map(chr, got[k])) == want, f"{method} request {k}"
 
 
 def test_admission_refuses_what_cannot_fit() -> None:
@@ -189,7 +228,7 @@ def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
     with reference_kernels():
         eng = ServingEngine.from_config(fp8)
         try:
-            assert eng.batchers["classic"].decoder.dcache.k.dtype == torch.float8_e4m3fn
+            assert eng.batchers["classic"].decoder.drafter.cache.k.dtype == torch.float8_e4m3fn
             requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
             for r, chunks in zip(requests, _run(eng, requests), strict=True):
                 assert all(c.error is None for c in chunks)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import vanilla_decoder
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.loading import default_gguf_path
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
+from trtllm_dustin.runtime.generation import GenerationConfig
 
 PROMPT = "The capital of France is"
 
@@ -41,7 +42,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(pair) -> None:
     n = 24
     want = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(ids):]
     cache = KVCache.allocate(ours.model.config, 1, 64, torch.float32, "cpu")
-    result = VanillaDecoder(ours.model, cache, get_backend("reference")).generate(
+    result = vanilla_decoder(ours.model, cache).generate(
         [ids], GenerationConfig(max_new_tokens=n))
     assert result.tokens[0] == want.tolist()
     assert "Paris" in ours.tokenizer.decode(result.tokens[0])

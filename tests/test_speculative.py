@@ -1,4 +1,5 @@
-"""Speculative decoding (Classic SD, MagicDec, Dustin) against vanilla decoding and against its own invariants."""
+"""The one round, every method (Classic SD, MagicDec, Dustin, sparse drafting) against vanilla decoding and against its
+own invariants: greedy equality, what each phase reads, the stop rules, seeding, padded vocabularies."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.vanilla import GenerationConfig
 
+# The plugins' references on the CPU (test_dustin_end_to_end_on_the_triton_kernels runs the kernels, interpreted).
+pytestmark = pytest.mark.usefixtures("plugin_references")
 DTYPE = torch.float32
 GAMMA = 3
 S_MAX = 160
@@ -87,8 +90,8 @@ def test_draft_equal_to_target_accepts_everything(env: Env, vanilla_tokens, meth
 def test_sparse_dustin_runs_and_really_restricts(env: Env, vanilla_tokens) -> None:
     decoder, result = run("dustin-h", env, dustin=dustin_config(budget=28, m=4, n_recent=8))
     assert all(len(t) == 24 for t in result.tokens) and 1 <= result.tau <= GAMMA + 1
-    indices = decoder.indices
-    lens = decoder.tcache.seqlens
+    indices = decoder.selector.indices
+    lens = decoder.state.lengths
     for b in range(len(PROMPTS)):
         valid = indices[b][indices[b] >= 0]
         assert len(valid) == min(28, int(lens[b])) and bool((valid < lens[b]).all())
@@ -97,37 +100,37 @@ def test_sparse_dustin_runs_and_really_restricts(env: Env, vanilla_tokens) -> No
 
 def test_sparse_verification_reads_only_the_selected_positions(env: Env) -> None:
     decoder, _ = run("dustin-h", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
-    decoder.estimate()
-    decoder.select()
     with torch.inference_mode():
-        expected = decoder._verify_forward().clone()
-        L = decoder.tcache.seqlens.long()
-        keep = torch.zeros(decoder.tcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
+        L = decoder.state.lengths
+        indices = decoder.selector.select(L, decoder.selector.estimate(L))
+        expected = decoder._verify(decoder.drafter.tokens, indices).clone()
+        keep = torch.zeros(decoder.cache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
-            keep[b, decoder.indices[b][decoder.indices[b] >= 0].long()] = True
+            keep[b, indices[b][indices[b] >= 0].long()] = True
             keep[b, L[b]: L[b] + GAMMA + 1] = True  # the new tokens, rewritten by the forward anyway
         poison = ~keep[None, :, None, :, None]  # [layers, B, H, S, D]
-        decoder.tcache.k.masked_fill_(poison, float("nan"))
-        decoder.tcache.v.masked_fill_(poison, float("nan"))
-        got = decoder._verify_forward()
+        decoder.cache.k.masked_fill_(poison, float("nan"))
+        decoder.cache.v.masked_fill_(poison, float("nan"))
+        got = decoder._verify(decoder.drafter.tokens, indices)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_magicdec_draft_attends_only_to_sinks_and_window(env: Env) -> None:
     decoder, _ = run("magicdec", env, max_new=10)
+    drafter = decoder.drafter
     with torch.inference_mode():
-        expected = decoder._draft_forward(1).clone()
-        lens = decoder.tcache.seqlens + 1  # step 1's new token sits at L + 1
-        keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
+        expected = drafter._forward(decoder.state, 1).clone()
+        lens = decoder.state.lengths + 1  # step 1's new token sits at L + 1
+        keep = torch.zeros(drafter.cache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
             n = int(lens[b])
             keep[b, : min(4, n)] = True
             keep[b, max(0, n - 8): n + 1] = True  # budget 12 = 4 sinks + 8 recent, plus the new token
         poison = ~keep[None, :, None, :, None]
-        decoder.dcache.k.masked_fill_(poison, float("nan"))
-        decoder.dcache.v.masked_fill_(poison, float("nan"))
-        got = decoder._draft_forward(1)
-        full = decoder.draft(decoder.draft_tokens[:, :1], decoder.dcache, AttentionMetadata(lens), decoder.backend,
+        drafter.cache.k.masked_fill_(poison, float("nan"))
+        drafter.cache.v.masked_fill_(poison, float("nan"))
+        got = drafter._forward(decoder.state, 1)
+        full = drafter.model(drafter.tokens[:, :1], drafter.cache, AttentionMetadata(lens), decoder.backend,
                              logit_index=torch.zeros_like(lens, dtype=torch.long))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert torch.isnan(full).any()  # a full-cache draft step would have read the poisoned positions
@@ -167,31 +170,20 @@ def test_sparse_draft_with_budget_over_every_length_equals_vanilla(env: Env, van
 
 def test_sparse_draft_reads_only_the_verification_set_and_recent_positions(env: Env) -> None:
     decoder, _ = run("dustin-h-sparse-draft", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
+    drafter, view = decoder.drafter, decoder.drafter.view
+    assert torch.equal(view.chosen, decoder.selector.indices)  # what the last round verified against
     with torch.inference_mode():
-        expected = decoder._draft_forward(1).clone()
-        L = decoder.tcache.seqlens.long()
-        keep = torch.zeros(decoder.dcache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
+        expected = drafter._forward(decoder.state, 1).clone()
+        L = decoder.state.lengths.long()
+        keep = torch.zeros(drafter.cache.batch_slots, S_MAX, dtype=torch.bool, device=env.device)
         for b in range(keep.shape[0]):
-            keep[b, decoder.indices[b][decoder.indices[b] >= 0].long()] = True
-            keep[b, decoder.selected_at[b]: L[b] + 2] = True  # committed since the selection, and step 1's token
+            keep[b, view.chosen[b][view.chosen[b] >= 0].long()] = True
+            keep[b, view.selected_at[b]: L[b] + 2] = True  # committed since the selection, and step 1's token
         poison = ~keep[None, :, None, :, None]
-        decoder.dcache.k.masked_fill_(poison, float("nan"))
-        decoder.dcache.v.masked_fill_(poison, float("nan"))
-        got = decoder._draft_forward(1)
+        drafter.cache.k.masked_fill_(poison, float("nan"))
+        drafter.cache.v.masked_fill_(poison, float("nan"))
+        got = drafter._forward(decoder.state, 1)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_forced_acceptance_commits_the_stated_counts(env: Env) -> None:
-    """Benchmarks replace the verdict of random-weight models by draws from a stated distribution."""
-    setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, 4, S_MAX, DTYPE,
-                                                                         env.device),
-                        backend=get_backend(env.backend), draft=env.draft,
-                        draft_cache=KVCache.allocate(env.draft.config, 4, S_MAX, DTYPE, env.device), gamma=GAMMA)
-    decoder = build_decoder("classic", setup)
-    decoder.forced_acceptance = torch.tensor([0.0, 0.0, 0.0, 1.0], device=env.device)
-    result = decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=21, prefill_chunk=32))
-    assert result.committed_hist == [0, 0, 0, 4 * 5] and result.tau == GAMMA + 1
-    assert all(len(t) == 21 for t in result.tokens)
 
 
 def test_draft_with_a_smaller_padded_vocabulary(env: Env) -> None:
@@ -203,3 +195,55 @@ def test_draft_with_a_smaller_padded_vocabulary(env: Env) -> None:
     for sampling in (SamplingParams(), SamplingParams(1.0, 1.0, seed=2)):
         _, result = run("classic", env, draft=small, sampling=sampling)
         assert all(len(t) == 24 and max(t) < 250 for t in result.tokens)
+
+
+SPARSE = [name for name, method in METHODS.items() if method.sparse]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_with_budget_over_every_length_equals_vanilla(env: Env, vanilla_tokens, method: str) -> None:
+    """k = max_seq_len: every verification set holds the whole context, so each registered method is lossless."""
+    _, result = run(method, env, dustin=dustin_config(budget=S_MAX, m=40))
+    assert result.tokens == vanilla_tokens
+
+
+@pytest.mark.parametrize("method", SPARSE)
+def test_selection_with_lengths_on_both_sides_of_the_budget(env: Env, vanilla_tokens, method: str) -> None:
+    """L < k < max_seq_len (no short-circuit in the selection): slots that never outgrow k = 72 verify against their
+    whole context and equal vanilla; the slots past k verify against exactly k distinct committed positions."""
+    budget = 72
+    decoder, result = run(method, env, dustin=dustin_config(budget=budget, m=12, n_recent=8))
+    for b in (1, 2):  # prompts of 3 and 41 tokens + 24 new: at most 65 <= k
+        assert result.tokens[b] == vanilla_tokens[b], f"slot {b}"
+    lengths = decoder.state.lengths
+    indices = decoder.selector.select(lengths, decoder.selector.estimate(lengths))
+    for b in range(len(PROMPTS)):
+        valid = indices[b][indices[b] >= 0]
+        L = int(lengths[b])
+        assert len(valid) == min(budget, L) and len(set(valid.tolist())) == len(valid)
+        assert bool((valid < L).all()) and valid.tolist() == sorted(valid.tolist())
+    assert int(lengths[0]) > budget and int(lengths[3]) > budget  # the selection really chose for these two
+
+
+def test_dustin_end_to_end_on_the_triton_kernels(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton backend and every kernel of a round (sparse-verify, verify, SRH, argmax, commit; on the CPU under
+    TRITON_INTERPRET=1) decode what the PyTorch references decode, with sparse verification (k = 28 < L) and sparse
+    drafting: two prompts of 70 and 3 tokens, 6 new tokens."""
+    if env.device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = dustin_config(budget=28, m=4, n_recent=8)
+    prompts = PROMPTS[:2]
+    tokens = {}
+    for backend in ("reference", "triton"):
+        if backend == "reference" and env.device.type == "cpu":
+            monkeypatch.setenv("TRITON_INTERPRET", "0")  # the plugins' references too
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, 2, S_MAX, DTYPE,
+                                                                             env.device),
+                            backend=get_backend(backend), draft=env.draft,
+                            draft_cache=KVCache.allocate(env.draft.config, 2, S_MAX, DTYPE, env.device), gamma=GAMMA,
+                            dustin=config)
+        decoder = build_decoder("dustin-h-sparse-draft", setup)
+        tokens[backend] = decoder.generate(prompts, GenerationConfig(max_new_tokens=6, prefill_chunk=32)).tokens
+    assert tokens["triton"] == tokens["reference"]

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
+from conftest import vanilla_decoder
 
-from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.vanilla import GenerationConfig, VanillaDecoder
+from trtllm_dustin.runtime.generation import GenerationConfig
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -26,6 +26,6 @@ def test_triton_backend_greedy_tokens_equal_reference(preset: str) -> None:
     outputs = {}
     for name in ("reference", "triton"):
         cache = KVCache.allocate(model.config, 3, 32, torch.float32, device)
-        outputs[name] = VanillaDecoder(model, cache, get_backend(name), use_cuda_graph=False).generate(
+        outputs[name] = vanilla_decoder(model, cache, name, use_cuda_graph=False).generate(
             prompts, config).tokens
     assert outputs["triton"] == outputs["reference"]

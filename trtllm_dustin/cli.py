@@ -15,11 +15,11 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.runtime.speculative import SpeculativeResult
-from trtllm_dustin.runtime.vanilla import GenerationConfig
 from trtllm_dustin.search.cli import (
     add_arr_arguments,
     add_search_arguments,
@@ -34,6 +34,10 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _method_list() -> str:
+    return "; ".join(f"{name}: {METHODS[name].about}" for name in OFFERED_METHODS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", choices=["reference", "triton"], default=None,
                      help="attention backend (default: triton on cuda, reference on cpu)")
     gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
-    gen.add_argument("--method", choices=list(METHODS), default="vanilla", help="decoding method")
+    gen.add_argument("--method", choices=OFFERED_METHODS, default="vanilla", metavar="METHOD",
+                     help="decoding method (default: vanilla): " + _method_list())
     gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model; "
                      "default with the default model: its packaged distilled draft)")
     gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
@@ -81,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--model", default=None,
                       help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
     repo.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model)")
-    repo.add_argument("--method", nargs="+", choices=list(METHODS), default=["vanilla"],
-                      help="methods served, each with its own KV caches; the first is the default of a request")
+    repo.add_argument("--method", nargs="+", choices=OFFERED_METHODS, default=["vanilla"], metavar="METHOD",
+                      help="methods served, each with its own KV caches; the first is the default of a request "
+                      "(default: vanilla); one or more of " + ", ".join(OFFERED_METHODS))
     repo.add_argument("--dustin-config", type=Path, default=None,
                       help="Dustin estimator config (JSON written by `trtllm-dustin search`), copied into the repo")
     repo.add_argument("--max-batch", type=int, default=8, help="batch slots per method (in-flight batching)")
@@ -187,7 +193,7 @@ def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
         if not args.prompt_file.is_file():
             raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
-    elif args.prompt is None and args.method != "vanilla" and loaded.tokenizer is not None:
+    elif args.prompt is None and METHODS[args.method].needs_draft and loaded.tokenizer is not None:
         long_text = _long_text_prompt(loaded.tokenizer)
         if long_text is not None:
             return long_text
@@ -217,14 +223,15 @@ def _generate(args: argparse.Namespace) -> int:
     if max_seq_len > loaded.model.max_positions:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
                          "lower it")
-    speculative = args.method != "vanilla"
+    method = METHODS[args.method]
+    speculative = method.needs_draft
     if speculative:
         max_seq_len = max(max_seq_len, len(prompt) + args.max_new_tokens + args.gamma)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     default_pair = args.model in (None, DEFAULT_MODEL) and args.draft in (None, DEFAULT_DRAFT)
-    if args.method.startswith("dustin") and dustin is None and default_pair:
+    if method.needs_dustin and dustin is None and default_pair:
         dustin = DustinConfig.load(default_dustin_config_path())  # searched for the packaged pair
-    if args.method.startswith("dustin") and dustin is None:
+    if method.needs_dustin and dustin is None:
         raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
                           "this target/draft pair with `trtllm-dustin search`")
     if speculative and args.draft is None:
@@ -233,31 +240,32 @@ def _generate(args: argparse.Namespace) -> int:
         args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
     draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1,
                        share_with=loaded.model).model if speculative else None
-    backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"))
+    kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
+    backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
     decoder = build_decoder(args.method, MethodSetup(
         target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),
         backend=backend, draft=draft,
         draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len,
                                      draft_kv_dtype(args.draft_kv_cache, dtype), device)
         if draft else None,
-        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, use_cuda_graph=not args.no_cuda_graph))
+        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, use_cuda_graph=not args.no_cuda_graph,
+        kernels=kernels))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
     prompts = [prompt] * args.batch_size
-    result = decoder.generate(prompts, gen_config, profile=True) if args.profile else decoder.generate(
-        prompts, gen_config)
+    result = decoder.generate(prompts, gen_config, profile=args.profile)
     for i, ids in enumerate(result.tokens):
         text = loaded.tokenizer.decode(ids, skip_special_tokens=True) if loaded.tokenizer else str(ids)
         print(f"[{i}] {text}")
     print(f"model {loaded.source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
           f"prompt {len(prompt)} tokens, generated {result.generated} tokens")
     print(f"prefill {result.prefill_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
-          f"({result.decode_steps} steps in {result.decode_ms:.1f} ms)")
-    if isinstance(result, SpeculativeResult):
+          f"({result.rounds} {'rounds' if speculative else 'steps'} in {result.decode_ms:.1f} ms)")
+    if speculative:
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
-        if result.phase_ms:
-            print("phases (ms, whole run): " + ", ".join(f"{k} {v:.1f}" for k, v in result.phase_ms.items()))
+    if result.phase_ms:
+        print("phases (ms, whole run): " + ", ".join(f"{k} {v:.1f}" for k, v in result.phase_ms.items()))
     return 0
 
 

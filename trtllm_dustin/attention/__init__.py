@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from trtllm_dustin.attention.interface import AttentionBackend, AttentionMetadata
 from trtllm_dustin.attention.reference import ReferenceAttention
 from trtllm_dustin.attention.triton import TritonAttention
+
+if TYPE_CHECKING:
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_backend"]
 
@@ -12,8 +17,9 @@ BACKENDS: dict[str, type[AttentionBackend]] = {ReferenceAttention.name: Referenc
                                                TritonAttention.name: TritonAttention}
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """Instantiate a registered backend: "reference" (PyTorch) or "triton" (the plugins' kernels)."""
+def get_backend(name: str, kernels: KernelConfig | None = None) -> AttentionBackend:
+    """Instantiate a registered backend: "reference" (PyTorch) or "triton" (the plugins' kernels, launched as
+    `kernels` says; None: KernelConfig())."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](kernels)

@@ -31,7 +31,8 @@ class AttentionBackend(ABC):
 
     Full mode: query t of sequence b attends to cache positions [0, L_b + t].
     Sparse mode: query t attends to {I_b} ∪ [L_b, L_b + t] (Dustin's verification, paper Sec. 4.1).
-    The new tokens' K/V are already in the cache when `attend` is called.
+    The new tokens' K/V are already in the cache when `attend` is called. A backend is built with the process's
+    KernelConfig (or None for the defaults): `get_backend(name, kernels)` calls `Backend(kernels)`.
     """
 
     name: str = "abstract"

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from trtllm_dustin.attention.interface import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
 
 __all__ = ["ReferenceAttention", "full_attention_mask", "gather_sparse_kv"]
 
@@ -38,6 +43,9 @@ class ReferenceAttention(AttentionBackend):
     """Masked scaled-dot-product attention over the cache (fp32 softmax inside SDPA's math)."""
 
     name = "reference"
+
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        """`kernels` is taken for the registry's sake and ignored: this backend runs no kernels of its own."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

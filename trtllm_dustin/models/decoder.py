@@ -4,18 +4,18 @@ q/k/v are one fused projection and gate/up another, so a decode step reads each 
 matmul. Every forward writes its tokens' K/V into the static cache at positions L_b + t and lets the
 attention backend read the cache; `cache.seqlens` is advanced by the decode loop, not here.
 
-`Transformer.fused_elementwise` (True / False, or None: on for CUDA inputs in bf16 / fp16 / fp32; the default comes from
-the TRTLLM_DUSTIN_FUSED_ELEMENTWISE environment variable, "1" on, "0" off, unset None) runs the elementwise work between
-the matmuls as three fused kernels (plugins/fused_ops.py): residual add + RMSNorm, rotary embedding of q/k + the K/V
-cache write, and SiLU x up. Same arithmetic as the module code (up to a rare last-ulp flip); about 10 kernels per
-layer instead of about 50, which is what a CUDA-graph replay of a small batch pays for. The fused path also runs its
-projections through plugins/skinny_linear.py, which takes the Triton skinny-M GEMM for the decode shapes it was tuned
-and measured faster on, and F.linear otherwise. Inference only (`forward_train` keeps the module code).
+`Transformer.kernels` (a KernelConfig, plugins/kernel_config.py; default `KernelConfig()`) says which kernel paths a
+forward runs. With `kernels.fused_elementwise` (True / False, or None: on for CUDA inputs in bf16 / fp16 / fp32) the
+elementwise work between the matmuls runs as three fused kernels (plugins/fused_ops.py): residual add + RMSNorm,
+rotary embedding of q/k + the K/V cache write, and SiLU x up. Same arithmetic as the module code (up to a rare
+last-ulp flip); about 10 kernels per layer instead of about 50, which is what a CUDA-graph replay of a small batch
+pays for. The fused path also runs its projections through plugins/skinny_linear.py, which takes the Triton skinny-M
+GEMM for the decode shapes of `kernels`' tactic table and F.linear otherwise, and launches its kernels with PDL when
+`kernels.pdl`. Inference only (`forward_train` keeps the module code).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -29,15 +29,16 @@ from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
 from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
 
-def _skinny(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py),
-    launched with PDL (a Dustin-H round at Llama-8B + 1B, B = 16, 32K: 20.71 -> 20.50 ms on the H200)."""
-    return skinny_linear(x, layer.weight, layer.bias, pdl=True)
+def _skinny(layer: nn.Linear, kernels: KernelConfig, x: torch.Tensor) -> torch.Tensor:
+    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py)
+    where `kernels`' tactic table has their shape, launched with PDL where kernels allow it."""
+    return skinny_linear(x, layer.weight, layer.bias, kernels=kernels)
 
 
 class RMSNorm(nn.Module):
@@ -81,12 +82,13 @@ class Attention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       layer_index: int, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
-                      capture: QueryCapture | None) -> torch.Tensor:
+                      capture: QueryCapture | None, kernels: KernelConfig) -> torch.Tensor:
         """`forward` with the rotary embedding and the cache write in one kernel."""
         k_cache, v_cache = cache.layer(layer_index)
-        q = rope_qkv_to_cache(_skinny(self.wqkv, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
-                              self.num_kv_heads, self.head_dim)  # [B, T, H_q, D]
-        return self._attend_project(q, layer_index, cache, meta, backend, capture, partial(_skinny, self.wo))
+        q = rope_qkv_to_cache(_skinny(self.wqkv, kernels, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
+                              self.num_kv_heads, self.head_dim, pdl=kernels.pdl)  # [B, T, H_q, D]
+        return self._attend_project(q, layer_index, cache, meta, backend, capture,
+                                    partial(_skinny, self.wo, kernels))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
                         backend: AttentionBackend, capture: QueryCapture | None,
@@ -112,9 +114,10 @@ class FeedForward(nn.Module):
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
-    def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace, kernels: KernelConfig) -> torch.Tensor:
         # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
-        return skinny_linear(silu_mul(_skinny(self.w_gate_up, x)), self.w_down.weight, None, workspace, pdl=True)
+        activation = silu_mul(_skinny(self.w_gate_up, kernels, x), pdl=kernels.pdl)
+        return skinny_linear(activation, self.w_down.weight, None, workspace, kernels=kernels)
 
 
 class Block(nn.Module):
@@ -142,7 +145,7 @@ class Transformer(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        self.fused_elementwise = {"1": True, "0": False}.get(os.environ.get("TRTLLM_DUSTIN_FUSED_ELEMENTWISE", ""))
+        self.kernels = KernelConfig()  # which kernel paths forward runs (fused elementwise, skinny GEMM, PDL)
         self.linear_workspace: SplitKWorkspace | None = None  # split-K partials of the fused path's projections
 
     def setup_rope(self, max_positions: int | None = None) -> None:
@@ -163,7 +166,8 @@ class Transformer(nn.Module):
         positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         h = self.embed(tokens)  # [B, T, hidden]
-        if self.fused_elementwise or (self.fused_elementwise is None and h.is_cuda and h.dtype in FUSED_DTYPES):
+        fused = self.kernels.fused_elementwise
+        if fused or (fused is None and h.is_cuda and h.dtype in FUSED_DTYPES):
             # H200: 1.36x per round; float64 models (tests) keep the module code, which the kernels do not cover
             return self._forward_fused(h, cos, sin, positions, cache, meta, backend, logit_index, capture)
         for i, block in enumerate(self.layers):
@@ -174,21 +178,22 @@ class Transformer(nn.Module):
         return self._logits(F.linear(self.norm(h), self.output_weight()), logit_index)
 
     def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
-        """`forward`'s layers with each residual add folded into the next RMSNorm (fused_elementwise)."""
-        B, delta = h.shape[0], None
+        """`forward`'s layers with each residual add folded into the next RMSNorm (kernels.fused_elementwise)."""
+        B, delta, kernels = h.shape[0], None, self.kernels
         if self.linear_workspace is None or self.linear_workspace.counters.device != h.device:
             self.linear_workspace = SplitKWorkspace.for_outputs(self.config.hidden_size, h.device)
+        norm = partial(add_rms_norm, pdl=kernels.pdl)
         for i, block in enumerate(self.layers):
-            x, h = add_rms_norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
-            delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture)
-            x, h = add_rms_norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
-            delta = block.feed_forward.forward_fused(x, self.linear_workspace)
+            x, h = norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
+            delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture, kernels)
+            x, h = norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
+            delta = block.feed_forward.forward_fused(x, self.linear_workspace, kernels)
         if logit_index is not None:
             rows = torch.arange(B, device=h.device), logit_index
-            x, _ = add_rms_norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
+            x, _ = norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
         else:
-            x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps)
-        return self._logits(skinny_linear(x, self.output_weight(), pdl=True), logit_index)
+            x, _ = norm(h, delta, self.norm.weight, self.norm.eps)
+        return self._logits(skinny_linear(x, self.output_weight(), kernels=kernels), logit_index)
 
     def _logits(self, head_out: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
         """The output head's rows [B, T or 1, R] -> fp32 logits over the whole vocabulary ([B, V] when logit_index

@@ -10,7 +10,7 @@ from typing import Any
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
-from trtllm_dustin.runtime.methods import METHODS
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 
 __all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
 
@@ -51,16 +51,17 @@ class ServingConfig:
             object.__setattr__(self, "dustin", DustinConfig(**self.dustin))
         if not self.methods:
             raise ConfigError("serve at least one method; pass --method NAME")
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in OFFERED_METHODS]
         if unknown:
-            raise ConfigError(f"method(s) {unknown} are unknown; choose from {', '.join(METHODS)}")
+            raise ConfigError(f"method(s) {unknown} are unknown; choose from {', '.join(OFFERED_METHODS)}")
         if self.default_method and self.default_method not in self.methods:
             raise ConfigError(f"default method {self.default_method!r} is not among the served {self.methods}")
-        if any(m != "vanilla" for m in self.methods) and self.draft is None:
+        if any(METHODS[m].needs_draft for m in self.methods) and self.draft is None:
             raise ConfigError(f"speculative methods {self.methods} need a draft model; pass --draft "
                               "DIR|FILE.gguf|preset:NAME")
-        if any(m.startswith("dustin") for m in self.methods) and self.dustin is None:
-            raise ConfigError("dustin-* methods need --dustin-config FILE (written by `trtllm-dustin search`)")
+        if any(METHODS[m].needs_dustin for m in self.methods) and self.dustin is None:
+            needing = [m for m in self.methods if METHODS[m].needs_dustin]
+            raise ConfigError(f"methods {needing} need --dustin-config FILE (written by `trtllm-dustin search`)")
         for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

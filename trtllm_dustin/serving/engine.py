@@ -23,9 +23,10 @@ import torch
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
@@ -120,14 +121,15 @@ class ServingEngine:
             raise ValueError("device cuda but no CUDA device is visible; regenerate the repository with --device cpu")
         dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
-        speculative = any(m != "vanilla" for m in config.methods)
+        speculative = any(METHODS[m].needs_draft for m in config.methods)
         draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
                            share_with=loaded.model).model \
             if speculative else None
-        backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"))
+        kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
+        backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
         batchers = {}
         for method in config.methods:
-            needs_draft = method != "vanilla"
+            needs_draft = METHODS[method].needs_draft
             target_cache = KVCache.allocate(loaded.model.config, config.max_batch, config.max_seq_len, dtype, device)
             draft_cache = KVCache.allocate(draft.config, config.max_batch, config.max_seq_len,
                                            draft_kv_dtype(config.draft_kv_cache, dtype), device) \
@@ -135,7 +137,7 @@ class ServingEngine:
             decoder = build_decoder(method, MethodSetup(
                 target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
                 draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=config.dustin,
-                use_cuda_graph=config.use_cuda_graph))
+                use_cuda_graph=config.use_cuda_graph, kernels=kernels))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
         # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
         # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.

@@ -3,9 +3,10 @@
 The draft's shape (Llama-3.2-1B: 8 KV heads, 32 query heads, head dim 64), batch 16, 32K context, one to Γ+1
 query tokens, one launch per layer over 16 distinct layer caches (so nothing is served from L2), all 16 in one CUDA
 graph. Reports microseconds per launch and the cache bytes read per second, for each (block_n, num_warps,
-num_stages, num_splits) and for the launcher's default, with each output's distance from the default's. Needs CUDA.
+num_stages, num_splits) and for the launcher's default, with each output's distance from the default's. Launches
+use PDL where supported, as the decoder's do. Needs CUDA.
 
-    python benchmarks/bench_kv_dtype.py --out benchmarks/results/fp8_kv/kv_dtype_h200.json
+    python benchmarks/dev/bench_kv_dtype.py --out benchmarks/results/fp8_kv/kv_dtype_h200.json
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 from functools import partial
 from pathlib import Path
 
 import torch
-from common import RESULTS, environment, graph_ms, save_json
 
-from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
-from trtllm_dustin.plugins.verify_attention import verify_attention_forward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import RESULTS, environment, graph_ms, save_json  # noqa: E402
+
+from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype  # noqa: E402
+from trtllm_dustin.plugins.verify_attention import verify_attention_forward  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +60,7 @@ def main() -> None:
                 extra = {} if config is None else dict(block_n=config[0], num_warps=config[1], num_stages=config[2],
                                                        num_splits=config[3])
                 calls = [partial(verify_attention_forward, q, k, v, seqlens, 1 / math.sqrt(head_dim), out, lse,
-                                 max_seqlen=L + t, **extra) for k, v in caches]
+                                 max_seqlen=L + t, pdl=True, **extra) for k, v in caches]
                 try:
                     us = graph_ms(calls, args.replays) * 1e3
                 except Exception as error:  # a config that does not compile (shared memory) is reported, not fatal

@@ -1,14 +1,16 @@
 """Attention kernels on the paper's shapes: full-cache vs sparse (k = 512) verification vs torch
 SDPA, and the SRH estimator's cost as a fraction of full verification attention over all layers.
 
-    python benchmarks/bench_attention.py [--sweep] [--out benchmarks/results/attention_h200.json]
+    python benchmarks/dev/bench_attention.py [--sweep] [--out benchmarks/results/attention_h200.json]
 
 Timing: our ops inside a captured CUDA graph (several calls per graph, replays timed one by one
 with CUDA events, median, warm-up replays excluded); SDPA eagerly with CUDA events (it runs for
 milliseconds, so launch overhead does not matter). Sparse calls cycle over 8 (q, indices) sets 4 times,
 so the ~35 MB one call gathers is not served from the 60 MB L2; every full-cache case reads
 more than twice the L2. Bandwidth counts bytes the kernel must read (K and V rows it attends to,
-q and the indices) against the measured 4.26 TB/s device copy ceiling.
+q and the indices) against the measured 4.26 TB/s device copy ceiling. The ops launch as the decoder launches
+them: with PDL where the KernelConfig (TRTLLM_DUSTIN_PDL, KernelConfig.from_env) has it on. The --sweep grids call
+the launchers (`*_forward`) with explicit launch parameters; what each run found is in benchmarks/dev/README.md.
 """
 
 import argparse
@@ -22,22 +24,38 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import graph_ms
 
-from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention
-from trtllm_dustin.plugins.pdl import pdl_enabled
-from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward
-from trtllm_dustin.plugins.srh_score import srh_score_forward
-from trtllm_dustin.plugins.verify_attention import verify_attention_forward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import graph_ms  # noqa: E402
+
+from trtllm_dustin.plugins import sparse_verify_attention, srh_score, verify_attention  # noqa: E402
+from trtllm_dustin.plugins.kernel_config import KernelConfig  # noqa: E402
+from trtllm_dustin.plugins.pdl import pdl_supported  # noqa: E402
+from trtllm_dustin.plugins.sparse_verify_attention import sparse_verify_attention_forward  # noqa: E402
+from trtllm_dustin.plugins.srh_score import srh_score_forward  # noqa: E402
+from trtllm_dustin.plugins.verify_attention import verify_attention_forward  # noqa: E402
 
 COPY_CEILING_TBS = 4.26  # measured device-to-device copy, bytes read + written (shared/GPU.md)
 SPARSE_ROTATION = 8
 SPARSE_PASSES = 4
+KERNELS = KernelConfig.from_env()
+PDL = KERNELS.pdl  # what the attention backend passes the ops
+
+
+def full_launch(*args, **launch):
+    """verify_attention_forward as the op launches it (PDL per KERNELS) unless `launch` says otherwise."""
+    return verify_attention_forward(*args, **{"pdl": PDL, **launch})
+
+
+def sparse_launch(*args, **launch):
+    """sparse_verify_attention_forward as the op launches it (PDL per KERNELS) unless `launch` says otherwise."""
+    return sparse_verify_attention_forward(*args, **{"pdl": PDL, **launch})
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ def bench_case(shape, batch, length, t, k, k_cache, v_cache, generator, replays)
     seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, t, shape.heads_q, d, device="cuda", dtype=dtype)
     out = torch.empty_like(q)
-    full_ms = graph_ms([lambda: verify_attention(q, k_cache, v_cache, seqlens, out=out)] * 4, replays)
+    full_ms = graph_ms([lambda: verify_attention(q, k_cache, v_cache, seqlens, out=out, pdl=PDL)] * 4, replays)
     elem = k_cache.element_size()
     full_bytes = 2 * batch * shape.heads_kv * (length + t) * d * elem + 2 * q.numel() * elem
     ours = out.clone()
@@ -126,7 +144,7 @@ def bench_case(shape, batch, length, t, k, k_cache, v_cache, generator, replays)
     index_sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
     outs = [torch.empty_like(q) for _ in range(SPARSE_ROTATION)]
     sparse_calls = [
-        (lambda qi=qi, ii=ii, oi=oi: sparse_verify_attention(qi, k_cache, v_cache, seqlens, ii, out=oi))
+        (lambda qi=qi, ii=ii, oi=oi: sparse_verify_attention(qi, k_cache, v_cache, seqlens, ii, out=oi, pdl=PDL))
         for qi, ii, oi in zip(qs, index_sets, outs, strict=True)
     ]
     # The 8 sets cycled SPARSE_PASSES times per graph: a set comes back only after the 7 others (117 MB of
@@ -267,20 +285,21 @@ def sweep_sparse(generator, rows, batch=16, length=32768):
     # Those were 1-7 us slower (attention_h200.sweep7.json); new_separate is kept for tiles of <= 32 rows (6485c25).
     # Run 8: at T = 5 (40 rows) two row blocks of 32 (or three of 16), each folding the new tokens in after the walk,
     # against one 64-row block without it (the default); the blocks of a pair gather the same rows (L2 repeats).
-    configs = [dict(block_m=bm, block_n=64, num_stages=3, num_warps=4, num_splits=1, prefetch_indices=True,
-                    new_separate=sep) for bm in (64, 32, 16) for sep in (False, True)]
+    configs = [dict(block_m=bm, block_n=64, num_stages=3, num_warps=4, num_splits=1, new_separate=sep)
+               for bm in (64, 32, 16) for sep in (False, True)]
     for t in (5, 4):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, length, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale = 1 / math.sqrt(shape.head_dim)
         index_sets = [random_indices(batch, length, 512, generator) for _ in range(SPARSE_ROTATION)]
         for kw in configs:
-            calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, scale, out, lse,
-                             **kw) for ii in index_sets]
+            calls = [partial(sparse_launch, q, k_cache, v_cache, seqlens, ii, scale, out, lse, **kw)
+                     for ii in index_sets]
             timed(rows, "sparse", calls, kind="sparse", tokens=t, **kw)
         for k in (0, 128, 512, 2048):
             sets = [random_indices(batch, length, k, generator) for _ in range(SPARSE_ROTATION)]
-            calls = [partial(sparse_verify_attention, q, k_cache, v_cache, seqlens, ii, out=out) for ii in sets]
+            calls = [partial(sparse_verify_attention, q, k_cache, v_cache, seqlens, ii, out=out, pdl=PDL)
+                     for ii in sets]
             timed(rows, "sparse-k", calls, kind="sparse_vs_k", tokens=t, k=k)
         torch.cuda.empty_cache()
 
@@ -292,8 +311,8 @@ def sweep_full_splits(rows):
         q, k_cache, v_cache, seqlens = make_problem(shape, batch, 32768, t)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         for splits in (None, 1, 2, 3, 4, 6, 8, 16):
-            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim),
-                           out, lse, num_splits=splits)
+            call = partial(full_launch, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim), out, lse,
+                           num_splits=splits)
             timed(rows, "full", [call] * 2, kind="full_splits", model=name, batch=batch, tokens=t, num_splits=splits)
         torch.cuda.empty_cache()
 
@@ -309,8 +328,8 @@ def sweep_draft_decode(rows, batch=16, length=32768):
         nbytes = 2 * batch * shape.heads_kv * (length + t) * shape.head_dim * elem
         for n, w, st in ((None, None, 3), (128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (256, 4, 2),
                          (64, 4, 3)):
-            call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim),
-                           out, lse, block_n=n, num_warps=w, num_stages=st)
+            call = partial(full_launch, q, k_cache, v_cache, seqlens, 1 / math.sqrt(shape.head_dim), out, lse,
+                           block_n=n, num_warps=w, num_stages=st)
             timed(rows, "draft", [call] * 4, kind="draft_decode", model=shape.name, batch=batch, tokens=t,
                   block_n=n, num_warps=w, num_stages=st)
             if "ms" in rows[-1]:
@@ -356,11 +375,11 @@ def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, 
         for _, (pairs, (_, k_cache, v_cache, _)) in itertools.product(range(rounds), problems.items()):
             layout = {"kv_pairs": True} if pairs else {}
             for kw in full_configs:
-                call = partial(verify_attention_forward, q, k_cache, v_cache, seqlens, scale, outs[0], lse, **kw)
+                call = partial(full_launch, q, k_cache, v_cache, seqlens, scale, outs[0], lse, **kw)
                 timed(rows, f"{label}-full", [call] * 4, kind=f"{label}_full", model=model, tokens=t, **layout, **kw)
             for kw in configs:
-                calls = [partial(sparse_verify_attention_forward, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse,
-                                 **kw) for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
+                calls = [partial(sparse_launch, qi, k_cache, v_cache, seqlens, ii, scale, oi, lse, **kw)
+                         for qi, ii, oi in zip(qs, index_sets, outs, strict=True)]
                 timed(rows, f"{label}-sparse", calls * SPARSE_PASSES, kind=f"{label}_sparse", model=model, tokens=t,
                       **layout, **kw)
         del q, problems
@@ -369,22 +388,12 @@ def sweep_acceptance_case(generator, rows, label, full_configs, sparse_configs, 
 
 def sweep_pdl(generator, rows):
     """Programmatic dependent launch, every config twice: pdl off / on for the full and the sparse kernel, and at T=5
-    new_separate with PDL. Run 9 (7b99c22, attention_h200.sweep9.json) also timed variants removed since (the first
-    index block read before the PDL wait; the new tokens' K/V gathered after the walk), and run 10 (4548ad9, sweep10)
-    the whole index list preloaded into registers: all slower or no better."""
-    with_signal = dict(pdl=True, pdl_trigger=True)
+    new_separate with PDL. Runs 9 and 11 (attention_h200.sweep9/11.json) also timed the sparse kernel signalling the
+    next launch right after its walk (pdl_trigger) and a 64-row tile at T=4 (wide_tile); both launcher options were
+    removed, git ba29b41 holds them."""
     sweep_acceptance_case(generator, rows, "pdl", [dict(pdl=False), dict(pdl=True)],
-                          {4: [dict(pdl=False), with_signal],
-                           5: [dict(pdl=False), with_signal, dict(with_signal, new_separate=True)]}, rounds=2)
-
-
-def sweep_wide(generator, rows):
-    """Run 11, every config three times: at T=4 a 64-row tile for the 32 query rows (wide_tile: Hopper's wgmma instead
-    of mma.sync, which the 32-row tile gets), with and without new_separate, and PDL that signals the next launch only
-    when the programs exit."""
-    base = [dict(pdl=False), dict(pdl=True, pdl_trigger=False)]
-    wide = [dict(pdl=False, block_m=64, wide_tile=True, new_separate=sep) for sep in (True, False)]
-    sweep_acceptance_case(generator, rows, "wide", [dict()], {4: base + wide, 5: base}, rounds=3)
+                          {4: [dict(pdl=False), dict(pdl=True)],
+                           5: [dict(pdl=False), dict(pdl=True), dict(pdl=True, new_separate=True)]}, rounds=2)
 
 
 # The sparse launcher's defaults before run 19 (block_m 64 cut to the smallest tile of T * G rows, no lean), which runs
@@ -441,8 +450,8 @@ def sweep_gather(generator, rows, batch=16, length=32768, k=512, variants=None, 
         variants = [(1, 3, 64, 4), (1, 2, 64, 4), (1, 4, 64, 4), (2, 3, 64, 4), (4, 3, 64, 4), (8, 3, 64, 4),
                     (8, 2, 64, 4), (1, 3, 32, 4), (4, 3, 32, 4), (16, 2, 32, 4)]
     for _ in range(rounds):
-        calls = [partial(sparse_verify_attention_forward, q, k_cache, v_cache, seqlens, ii, 1 / math.sqrt(128), out,
-                         lse, **SPARSE_DEFAULT_BEFORE_RUN_19) for ii in index_sets]
+        calls = [partial(sparse_launch, q, k_cache, v_cache, seqlens, ii, 1 / math.sqrt(128), out, lse,
+                         **SPARSE_DEFAULT_BEFORE_RUN_19) for ii in index_sets]
         timed(rows, "gather", calls * SPARSE_PASSES, kind="gather_sparse_kernel", tokens=5)
         for chunks, stages, n, warps in variants:
             calls = [partial(gather_rows, k_cache, v_cache, ii, sums, chunks, block_n=n, num_stages=stages,
@@ -490,25 +499,24 @@ def sweep_lean(generator, rows):
 
 def sweep_lean_tiles(generator, rows):
     """Run 18, three interleaved rounds: lean against the default with deeper pipelines and smaller key tiles, and at
-    T=4 a 64-row (wgmma) tile, where run 17's lean gain came from (T=5), instead of the 32-row mma.sync one."""
+    T=4 a 64-row (wgmma) tile, where run 17's lean gain came from (T=5), instead of the 32-row mma.sync one: that
+    tile with lean is today's default (dict()); run 18 reached it with wide_tile, removed since (git ba29b41), and
+    also timed it at 4 stages."""
     old = SPARSE_DEFAULT_BEFORE_RUN_19
     lean = dict(old, lean=True)
     t5 = [old, lean, dict(lean, num_stages=4), dict(lean, block_n=32, num_stages=4), dict(lean, block_n=32,
                                                                                           num_stages=6)]
-    t4 = [old, lean, dict(lean, wide_tile=True, new_separate=False),
-          dict(lean, wide_tile=True, new_separate=False, num_stages=4)]
-    sweep_acceptance_case(generator, rows, "leantiles", [dict()], {5: t5, 4: t4}, rounds=3)
+    sweep_acceptance_case(generator, rows, "leantiles", [dict()], {5: t5, 4: [old, lean, dict()]}, rounds=3)
 
 
 def sweep_lean_rows(generator, rows):
-    """Run 19, two interleaved rounds per target: with lean, the 64-row (wgmma) tile against the smallest tile that
-    holds the T * G rows (mma.sync, with new_separate at <= 32 rows), at Llama-3.1-8B (G=4), Qwen2.5-7B (G=7) and
-    Qwen2.5-72B (G=8) heads. Since: block_m None picks 64 above 16 rows, else 16, and lean comes with 64-row tiles."""
+    """Run 19, two interleaved rounds per target: the default (a 64-row wgmma tile with lean above 16 rows) against
+    the smallest tile that holds the T * G rows (mma.sync, with new_separate at <= 32 rows) with and without lean, at
+    Llama-3.1-8B (G=4), Qwen2.5-7B (G=7) and Qwen2.5-72B (G=8) heads."""
     old = SPARSE_DEFAULT_BEFORE_RUN_19
     lean = dict(old, lean=True)
-    wide = dict(lean, wide_tile=True, new_separate=False)
     for model in ("Llama-3.1-8B", "Qwen2.5-7B", "Qwen2.5-72B"):
-        sweep_acceptance_case(generator, rows, "leanrows", [dict()], {4: [old, lean, wide], 5: [old, lean, wide]},
+        sweep_acceptance_case(generator, rows, "leanrows", [dict()], {4: [old, lean, dict()], 5: [old, lean, dict()]},
                               rounds=2, model=model)
 
 
@@ -526,7 +534,6 @@ SWEEPS = {  # --sweep-parts name -> grid(generator, rows)
     "srh": lambda generator, rows: sweep_srh(rows),
     "draft": lambda generator, rows: sweep_draft_decode(rows),
     "pdl": sweep_pdl,
-    "wide": sweep_wide,
     "kvpairs": sweep_kv_pairs,
     "gather": sweep_gather,
     "splits": sweep_resident_splits,
@@ -629,7 +636,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "copy_ceiling_tbs": COPY_CEILING_TBS,
-        "pdl": pdl_enabled(torch.device("cuda")),
+        "pdl_supported": pdl_supported(torch.device("cuda")), "kernels": json.loads(KERNELS.to_json()),
         "timing": "our ops: CUDA-graph replay, median over replays of (graph time / calls in graph); "
                   "sparse cycles 8 (q, indices) sets 4 times per graph; SDPA: eager, CUDA events, median",
         "pairs": [asdict(p) for p in PAIRS],

@@ -1,13 +1,15 @@
 """Skinny-M projections of the e2e shapes: cuBLAS (F.linear) against the Triton skinny_linear kernel.
 
-    python benchmarks/bench_linear.py [--pair llama-8b] [--out benchmarks/results/linear_h200.json]
+    python benchmarks/dev/bench_linear.py [--pair llama-8b] [--out benchmarks/results/linear_h200.json]
 
 For each projection of the pair's target (verify: M = B * (Γ + 1) rows) and draft (M = B and 2B rows), every
 candidate launch configuration is timed against F.linear in the same process. Timing: a CUDA graph of 24 calls
 that cycle over enough weight copies to exceed the L2 twice (in a decode step each layer reads its own weights),
 replays timed one by one with CUDA events, median per call. Bandwidth: weight + activation bytes / time against
 the 4.26 TB/s device copy ceiling. The candidates are compiled first in parallel worker processes (Triton's disk
-cache), so the sweep itself only times.
+cache), so the sweep itself only times. Plain launches (no PDL), as the tactic table's tie rule assumes. The
+packaged table (plugins/tactics/skinny_linear_h200.json) holds each shape's fastest configuration where it was at
+least 2 % faster than cuBLAS (within 1 %: a tie); its entries name the result files they came from.
 """
 
 from __future__ import annotations
@@ -23,17 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import COPY_BANDWIDTH, RESULTS, environment, graph_ms, save_json  # noqa: E402
 
 from trtllm_dustin.models.presets import get_preset  # noqa: E402
-from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
-    TUNED,
-    LinearConfig,
-    SplitKWorkspace,
-    row_block,
-    skinny_linear_forward,
-)
+from trtllm_dustin.plugins.kernel_config import KernelConfig  # noqa: E402
+from trtllm_dustin.plugins.linear_tactics import LinearConfig, row_block  # noqa: E402
+from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear_forward  # noqa: E402
 
 L2_BYTES = 60 << 20
 CALLS_PER_GRAPH = 24
@@ -142,14 +140,16 @@ def main() -> None:
     parser.add_argument("--pair", default="llama-8b", choices=sorted(PAIRS))
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (rows: B, 2B, B * (Γ + 1))")
     parser.add_argument("--skip-tuned", action="store_true",
-                        help="leave out shapes that skinny_linear.TUNED already has an entry for")
+                        help="leave out shapes the tactic table already has an entry for (the packaged one, or "
+                        "TRTLLM_DUSTIN_LINEAR_TACTICS)")
     parser.add_argument("--only", default="", help="comma-separated projection names (e.g. target.gate_up)")
     parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "linear_h200.json")
     args = parser.parse_args()
     shapes = [s for s in projections(args.pair, args.batch) if not args.only or s["name"] in args.only.split(",")]
     if args.skip_tuned:
-        shapes = [s for s in shapes if (row_block(s["M"]), s["N"], s["K"]) not in TUNED]
+        tactics = KernelConfig.from_env().tactics
+        shapes = [s for s in shapes if tactics.lookup(s["M"], s["N"], s["K"]) is None]
     jobs = [(s, candidates(s["M"], s["N"], s["K"])) for s in shapes]
     variants = {}  # one compile per distinct kernel: split_k itself is a runtime argument
     for s, cfgs in jobs:

@@ -1,0 +1,76 @@
+"""The Drafter seam: what proposes a round's Γ tokens.
+
+A drafter proposes Γ tokens per slot (and, when sampling, the distributions they were drawn from, so that
+rejection sampling stays exact), prefills its own state for newly admitted slots, observes each round's verdict
+before the commit, and can expose its lookahead (the queries and keys of the drafted positions) for Dustin's
+estimator. The round (round.py) calls nothing else, so a new drafter, an autoregressive model or a
+block-parallel one, plugs in here without touching the round.
+
+Implementations: drafters/no_draft.py (vanilla decoding: Γ = 0) and drafters/model_drafter.py (an autoregressive
+draft model), whose attention is one of drafters/full_cache.py (Classic SD), drafters/streaming_window.py
+(MagicDec) or drafters/verification_set.py (sparse drafting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from trtllm_dustin.runtime.sampling import SlotSampling
+from trtllm_dustin.runtime.state import Observation, RoundState
+
+__all__ = ["Drafter", "Lookahead", "PrefillView", "Proposal"]
+
+
+@dataclass
+class Proposal:
+    """A round's drafted tokens. Both tensors are the drafter's own buffers (stable across rounds)."""
+
+    tokens: torch.Tensor  # int64 [B, Γ]
+    probs: torch.Tensor | None  # fp32 [B, Γ, V_target]: what each token was drawn from (None: all slots greedy)
+
+
+@dataclass
+class Lookahead:
+    """The drafted positions as Dustin's estimator reads them (S_draft, Eq. 5), refreshed by every proposal."""
+
+    queries: dict[int, torch.Tensor]  # draft layer -> [B, Γ, H_q, D] rotated queries of the Γ drafted positions
+    keys: dict[int, torch.Tensor]  # draft layer -> [B, H_kv, S_max, D] the draft's cached keys of that layer
+    confidence: torch.Tensor | None = None  # fp32 [B, Γ]: the draft's max probability at each step, if asked for
+
+
+@dataclass
+class PrefillView:
+    """Slots whose prompts were just written into the caches, as the per-slot hooks see them."""
+
+    slots: slice  # contiguous batch slots [start, stop)
+    prompts: list[list[int]]
+    lengths: torch.Tensor  # int32 [n]: prompt lengths
+    queries: dict[int, torch.Tensor]  # target layer -> [n, H_q, D]: the last prompt token's rotated query
+
+
+class Drafter(Protocol):
+    gamma: int  # tokens proposed per round
+
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
+        """Write the prompts into the drafter's own cache for slots [start, stop)."""
+
+    def on_prefill(self, view: PrefillView) -> None:
+        """Prompt-time state of newly admitted slots (after both prefills)."""
+
+    def lookahead(self, layers: Sequence[int], confidence: bool = False) -> Lookahead:
+        """Keep the drafted positions' queries of `layers` (and the draft's confidence) from now on; call before the
+        first round. Raises ConfigError when the drafter has no such layers."""
+
+    def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
+        """Γ tokens for every slot (idle ones included: fixed shapes), from the committed state."""
+
+    def observe(self, seen: Observation) -> None:
+        """The round's verdict, before the commit (what a drafter keeps from a round)."""
+
+    def capture(self, state: RoundState, greedy: bool) -> Proposal:
+        """Run (and on CUDA capture) every fixed-shape step once before timing starts, drawing no randomness; return
+        the proposal's buffers (what a verification captured after it reads)."""

@@ -1,0 +1,75 @@
+"""What a caller asks of a decode run, and what it gets back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.sampling import SamplingParams
+
+__all__ = ["GenerationConfig", "GenerationResult", "check_request"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64  # per sequence
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()  # a sequence stops after emitting any of these
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward: bounds activation memory on long prompts
+    sync_every: int = 16  # rounds between host checks of "all sequences finished"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every={self.sync_every} must be >= 1")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence, EOS included when it was emitted
+    prefill_ms: float
+    decode_ms: float
+    rounds: int  # rounds run (vanilla: decode steps)
+    committed_hist: list[int] = field(default_factory=list)  # [n] = sequence-rounds that committed n + 1 tokens
+    phase_ms: dict[str, float] = field(default_factory=dict)  # filled by a profiling run (profile=True)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = self.generated - len(self.tokens)  # the first token of each sequence comes from prefill
+        return decoded / (self.decode_ms / 1e3) if self.decode_ms > 0 else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per sequence per round (accepted draft tokens + 1), 1 <= tau <= Γ + 1."""
+        rounds = sum(self.committed_hist)
+        return sum((n + 1) * c for n, c in enumerate(self.committed_hist)) / rounds if rounds else float("nan")
+
+
+def check_request(prompts: Sequence[Sequence[int]], cache: KVCache, max_new_tokens: int, lookahead: int = 0) -> None:
+    """Reject a request that cannot run, before any device work, with what to change.
+
+    lookahead: positions a round writes past the last committed token (speculative rounds: gamma).
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    if len(prompts) > cache.batch_slots:
+        raise ValueError(f"{len(prompts)} prompts exceed the {cache.batch_slots} batch slots; raise --batch-size")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    extra = f" + gamma {lookahead}" if lookahead else ""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; give at least one token")
+        need = len(p) + max_new_tokens + lookahead
+        if need > cache.max_seq_len:
+            raise ValueError(f"--max-seq-len {cache.max_seq_len} is smaller than prompt {i} ({len(p)} tokens) + "
+                             f"--max-new-tokens {max_new_tokens}{extra} = {need}; raise --max-seq-len or truncate "
+                             "the prompt")

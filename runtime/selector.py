@@ -1,0 +1,44 @@
+"""The Selector seam: the verification-set policy, what the target reads when it verifies a round.
+
+A selector with `budget` None verifies against the full cache (Classic SD, MagicDec, vanilla). Otherwise
+`estimate` scores the committed context and `select` returns the round's set I_verify, int32 [B, k] (valid cache
+positions sorted ascending, then -1; all of [0, L_b) while L_b <= k), one set per slot for every layer and head.
+Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host sync). Per-slot
+hooks: `on_prefill` (prompt-time state of newly admitted slots) and `observe` (each round's verdict, before the
+commit).
+
+Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
+the input-aware share of dustin-h-adaptive), streamingllm.py, snapkv.py, quest.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.state import Observation
+
+__all__ = ["Selector"]
+
+
+class Selector(Protocol):
+    budget: int | None  # k positions verified per slot; None: the full cache
+    target_query_layers: tuple[int, ...]  # target layers whose queries the runtime keeps for it (prompt end, verify)
+
+    def on_prefill(self, view: PrefillView) -> None:
+        """Prompt-time state of newly admitted slots."""
+
+    def estimate(self, lengths: torch.Tensor) -> Any:
+        """Scores of the committed context [0, L_b) (its own buffers), for `select`."""
+
+    def select(self, lengths: torch.Tensor, scores: Any) -> torch.Tensor | None:
+        """The round's verification set, int32 [B, k] (its own buffer), or None for full verification."""
+
+    def observe(self, seen: Observation) -> None:
+        """The round's verdict, before the commit."""
+
+    def draft_share(self) -> torch.Tensor | None:
+        """int64 [B]: each slot's positions chosen by the draft's lookahead in the last set (Dustin's m); None for
+        selectors without that split."""
