@@ -119,7 +119,7 @@ def start_at(decoder: Decoder, batch: int, context: int, tokens: torch.Tensor, w
     prompts = [[int(t)] * context for t in tokens.tolist()]
     config = decoder.target.config
     queries = {layer: torch.zeros(batch, config.num_heads, config.head_dim, dtype=decoder.target.embed.weight.dtype,
-                                  device=tokens.device) for layer in decoder.selector.target_query_layers}
+                                  device=tokens.device) for layer in decoder.target_query_layers}
     decoder.prefilled(slice(0, batch), prompts, queries)
     progress = Progress.allocate(batch, width, decoder.gamma, (), tokens.device)
     decoder.begin(progress, slice(0, batch), tokens, prompts, width)

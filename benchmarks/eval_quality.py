@@ -46,7 +46,7 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.acceptors import TeacherForcedAcceptor
 from trtllm_dustin.runtime.decoder import Decoder
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -390,7 +390,7 @@ def plot(summary: dict, args, tasks_present: list[tuple[str, int]], path: Path) 
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------------
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
@@ -399,7 +399,9 @@ def main() -> None:
                         help="default: the config searched for the packaged pair (trtllm_dustin/weights/smollm2_draft)")
     parser.add_argument("--ignore-fingerprints", action="store_true",
                         help="use the Dustin config with models it was not searched for (code-path runs only)")
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS, metavar="METHOD",
+                        help=f"registered methods (default: {' '.join(DEFAULT_METHODS)}); one or more of "
+                        f"{', '.join(METHODS)}")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192] if cuda else [1024])
@@ -423,6 +425,11 @@ def main() -> None:
                         help="run the (context, task) cells as this many concurrent processes (<out>_<context>_<task>"
                              ".json each, then merged into --out): the 135M pair is launch-bound, so one GPU runs "
                              "several almost for free")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.merge:
         merge_runs(args.merge, args.out)

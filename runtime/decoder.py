@@ -54,7 +54,9 @@ class Decoder:
             self.state.idle(slice(None))
         slots, config = cache.batch_slots, target.config
         self.verify_tokens = torch.zeros(slots, self.gamma + 1, dtype=torch.long, device=self.device)
-        layers = tuple(selector.target_query_layers)
+        # The target layers whose queries the drafter or the selector read, kept at the prompt end and every round.
+        layers = tuple(sorted(set(selector.target_query_layers) | set(drafter.target_query_layers)))
+        self.target_query_layers = layers
         dtype = target.embed.weight.dtype  # the model's, not the cache's (which may be fp8)
         self.verify_queries = {layer: torch.zeros(slots, self.gamma + 1, config.num_heads, config.head_dim,
                                                   dtype=dtype, device=self.device) for layer in layers}
@@ -69,7 +71,7 @@ class Decoder:
         """Write the prompts into both caches at slots [start, stop), run the per-slot hooks, and return the
         target's logits of each prompt's next token [n, V] (ids outside the shared vocabulary masked)."""
         logits, queries = prefill(self.target, slot_range(self.cache, slots), self.backend, prompts, chunk,
-                                  self.selector.target_query_layers)
+                                  self.target_query_layers)
         self.drafter.prefill(slots, prompts, chunk)
         self.prefilled(slots, prompts, queries)
         return self.shared_logits(logits)
@@ -78,11 +80,11 @@ class Decoder:
     def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor]) -> None:
         """The caches already hold the prompts at slots [start, stop) (a prefill shared by several decoders):
         set the slots' lengths and run the drafter's and selector's prompt-time hooks. queries: target layer ->
-        [n, H_q, D], the last prompt token's query, for at least the selector's target_query_layers."""
+        [n, H_q, D], the last prompt token's query, for at least the decoder's target_query_layers."""
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         self.state.lengths[slots] = lengths
         view = PrefillView(slots, [list(p) for p in prompts], lengths,
-                           {layer: queries[layer] for layer in self.selector.target_query_layers})
+                           {layer: queries[layer] for layer in self.target_query_layers})
         self.drafter.on_prefill(view)
         self.selector.on_prefill(view)
 

@@ -54,6 +54,7 @@ class PrefillView:
 
 class Drafter(Protocol):
     gamma: int  # tokens proposed per round
+    target_query_layers: tuple[int, ...]  # target layers whose queries it reads (PrefillView, Observation)
 
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
         """Write the prompts into the drafter's own cache for slots [start, stop)."""

@@ -14,7 +14,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig, write_model_repository
 from trtllm_dustin.serving.engine import GenerationRequest, QueueFullError, RequestError, ServingEngine
@@ -155,6 +155,23 @@ def test_engine_streaming_pieces_concatenate_to_the_direct_text(engine: ServingE
         else:
             assert 1 <= stats.mean_accepted_length <= SERVED.gamma + 1
             assert stats.draft_tokens == SERVED.gamma * stats.rounds
+
+
+def test_engine_serves_every_offered_method_exactly() -> None:
+    """One engine serving every method the CLI offers: concurrent greedy and sampled requests for each, each answered
+    with that method's generate() text."""
+    with reference_kernels():
+        eng = ServingEngine.from_config(SERVED.with_(methods=OFFERED_METHODS, max_batch=2, queue_size=64))
+        try:
+            requests = [GenerationRequest(prompt_text(i, 10 + 3 * i), 14, temperature=0.8 * (i % 2), seed=i,
+                                          method=method, stream=i % 2 == 0)
+                        for i, method in enumerate(m for m in OFFERED_METHODS for _ in range(2))]
+            for r, chunks in zip(requests, _run(eng, requests), strict=True):
+                assert all(c.error is None for c in chunks), (r.method, chunks[-1].error)
+                want = direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed)
+                assert "".join(c.text for c in chunks) == want, r.method
+        finally:
+            eng.close()
 
 
 def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:

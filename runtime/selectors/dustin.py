@@ -45,8 +45,8 @@ class DustinSelector:
         self._score_target = share is not None or config.m < free  # Dustin-D never reads S_target
 
     def on_prefill(self, view: PrefillView) -> None:
-        for layer, q in view.queries.items():  # round 1's target history is the prompt's last token
-            self.history_q[layer][view.slots, 0] = q
+        for layer, history in self.history_q.items():  # round 1's target history is the prompt's last token
+            history[view.slots, 0] = view.queries[layer]
 
     def estimate(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._score_draft:  # the drafted queries at L .. L+Γ-1 over the context [0, L)

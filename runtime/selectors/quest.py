@@ -95,8 +95,8 @@ class QuestSelector:
         self._rows = torch.arange(slots, device=device)
 
     def on_prefill(self, view: PrefillView) -> None:
-        for layer, q in view.queries.items():  # round 1 scores with the prompt's last query
-            self.history_q[layer][view.slots] = q
+        for layer, history in self.history_q.items():  # round 1 scores with the prompt's last query
+            history[view.slots] = view.queries[layer]
 
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor:
         layers = self.target_query_layers

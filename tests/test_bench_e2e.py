@@ -1,0 +1,90 @@
+"""benchmarks/bench_e2e.py on tiny shapes on the CPU, and the stated-distribution acceptance it times rounds with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_speculative import DTYPE, GAMMA, PROMPTS, S_MAX
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
+from trtllm_dustin.runtime.state import Progress
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_e2e  # noqa: E402
+from stated_acceptance import StatedAcceptor, stated_acceptance  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("plugin_references")
+
+
+@pytest.mark.parametrize("tau,gamma", [(2.8, 3), (2.2, 3), (1.0, 2), (5.0, 4)])
+def test_stated_acceptance_has_the_stated_mean(tau: float, gamma: int) -> None:
+    probs, alpha = stated_acceptance(tau, gamma)
+    assert probs.shape == (gamma + 1,) and abs(float(probs.sum()) - 1) < 1e-9 and 0 <= alpha <= 1
+    assert abs(sum((n + 1) * float(p) for n, p in enumerate(probs)) - tau) < 1e-6
+    with pytest.raises(ValueError, match=r"--tau 9.0 must be in \[1, gamma \+ 1"):
+        stated_acceptance(9.0, gamma)
+
+
+def test_the_stated_acceptor_commits_the_drawn_counts_and_the_targets_next_token() -> None:
+    """With P(accepted = Γ) = 1 every round commits Γ + 1 tokens, the drafts first, whatever the models agree on."""
+    target = load_model("preset:tiny-llama", dtype=DTYPE, seed=7).model
+    draft = load_model("preset:tiny-llama-draft", dtype=DTYPE, seed=8).model
+    setup = MethodSetup(target=target, target_cache=KVCache.allocate(target.config, 4, S_MAX, DTYPE, "cpu"),
+                        backend=get_backend("reference"), draft=draft, gamma=GAMMA,
+                        draft_cache=KVCache.allocate(draft.config, 4, S_MAX, DTYPE, "cpu"))
+    decoder = build_decoder("classic", setup)
+    progress = Progress.allocate(4, 21, GAMMA, (), torch.device("cpu"))
+    sampling = SlotSampling.batch(SamplingParams(), 4, torch.device("cpu"))
+    with torch.inference_mode():
+        logits = decoder.prefill(slice(0, 4), PROMPTS, 32)
+        decoder.begin(progress, slice(0, 4), logits.argmax(-1), PROMPTS, 21)
+        acceptor = StatedAcceptor(torch.tensor([0.0, 0.0, 0.0, 1.0]))
+        for _ in range(5):
+            drafts = decoder.drafter.tokens
+            before = progress.generated.clone()
+            verdict = decoder.round(progress, sampling, acceptor)
+            committed = progress.out.gather(1, before[:, None] + torch.arange(GAMMA + 1)[None])
+            assert torch.equal(committed[:, :GAMMA], drafts) and verdict.accepted.tolist() == [GAMMA] * 4
+    assert progress.hist.tolist() == [0, 0, 0, 4 * 5] and progress.generated.tolist() == [21] * 4
+
+
+def test_method_names_come_from_the_registry() -> None:
+    for name, method in METHODS.items():
+        assert bench_e2e.split_method(name) == (name, False)
+        if method.needs_draft:
+            assert bench_e2e.split_method(name + "+fp8kv") == (name, True)
+    with pytest.raises(SystemExit, match="vanilla\\+fp8kv has no draft"):
+        bench_e2e.split_method("vanilla+fp8kv")
+    with pytest.raises(SystemExit, match="'medusa' is not a registered method"):
+        bench_e2e.split_method("medusa")
+
+
+def test_bench_e2e_runs_every_default_method_on_tiny_shapes(tmp_path: Path) -> None:
+    out = tmp_path / "e2e_tiny.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--batches", "2",
+                    "--contexts", "40,72", "--rounds", "2", "--device", "cpu", "--out", str(out)], check=True, env=env,
+                   cwd=BENCHMARKS, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = {(r["method"], r["context"]): r for r in result["rows"]}
+    assert set(rows) == {(m, c) for m in bench_e2e.DEFAULT_METHODS for c in (40, 72)}
+    for (method, _), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["ms_per_round"] > 0 and row["speedup_vs_vanilla"] > 0
+        if method == "vanilla":
+            assert row["speedup_vs_vanilla"] == 1 and 0 < row["fraction_of_floor"] and row["tau_realized"] == 1
+        else:
+            assert row["tau_stated"] == 2.8 and 1 <= row["tau_realized"] <= GAMMA + 1
+            assert set(row["phase_ms_per_round"]) >= {"draft", "verify", "accept"}
+    assert json.loads(json.dumps(result["kernels"]))["round_kernels"] is True
+    assert out.with_suffix(".csv").read_text().startswith("batch,context,method,tokens_per_s")
