@@ -33,16 +33,11 @@ class RoundState:
         return cls(lengths, torch.zeros(slots, dtype=torch.long, device=device),
                    torch.zeros(slots, dtype=torch.long, device=device))
 
-    def idle(self, slots: torch.Tensor | slice) -> None:
-        """Put slots (bool mask [B] or a slice) at the idle position."""
-        if isinstance(slots, torch.Tensor):
-            self.lengths.masked_fill_(slots, IDLE_LENGTH)
-            self.cur.masked_fill_(slots, 0)
-            self.prev.masked_fill_(slots, 0)
-        else:
-            self.lengths[slots] = IDLE_LENGTH
-            self.cur[slots] = 0
-            self.prev[slots] = 0
+    def idle(self, slots: slice) -> None:
+        """Put the slots [start, stop) at the idle position."""
+        self.lengths[slots] = IDLE_LENGTH
+        self.cur[slots] = 0
+        self.prev[slots] = 0
 
 
 @dataclass

@@ -11,6 +11,9 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_kernel = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
                                   reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# CPU tensors reach a Triton kernel only where the interpreter was chosen at import (conftest: no GPU).
+needs_interpreter = pytest.mark.skipif(HAS_CUDA or not INTERPRET,
+                                       reason="Triton's interpreter runs only on machines without a GPU here")
 # ||out - ref|| / ||ref|| and max |out - ref| / max |ref| per dtype (attention outputs).
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
 

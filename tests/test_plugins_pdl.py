@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import needs_cuda, needs_kernel  # noqa: E402
+from kernel_common import needs_cuda, needs_interpreter  # noqa: E402
 
 from trtllm_dustin.plugins import pdl  # noqa: E402
 from trtllm_dustin.plugins.fused_ops import rope_qkv_to_cache, rope_qkv_to_cache_ref  # noqa: E402
@@ -28,7 +28,7 @@ def test_unsupported_on_cpu_and_ignores_the_environment(monkeypatch):
     assert pdl.gdc_args(False) == {"USE_GDC": False}
 
 
-@needs_kernel
+@needs_interpreter
 def test_a_cpu_launch_asked_for_pdl_runs_without_it():
     """pdl=True on a device without PDL launches plainly (the CPU interpreter has no launch_pdl option)."""
     torch.manual_seed(3)

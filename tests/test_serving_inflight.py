@@ -76,14 +76,26 @@ def _requests(n: int, sampled_every: int = 2) -> list[SlotRequest]:
 def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
     """10 requests (greedy and sampled, own limits, prompts of 1-39 tokens so that the sparse methods both keep all
     and select) through 3 slots, admitted as slots free up: each gets exactly what that method's own generate()
-    gives its prompt alone; served twice, the sampled ones repeat exactly."""
+    gives its prompt alone (with its seed, for the sampled ones)."""
     requests = _requests(10)
     got = _serve(_batcher(method, slots=3), requests)
     for k, r in enumerate(requests):
         s = r.sampling
         want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, s.temperature, s.top_p, s.seed)
         assert "".join(map(chr, got[k])) == want, f"request {k} ({s})"
-    assert _serve(_batcher(method, slots=2), requests) == got
+
+
+@pytest.mark.parametrize("method", ["classic", "dustin-h-sparse-draft"])
+def test_seeded_requests_repeat_whatever_shares_the_batch(method: str) -> None:
+    """All-sampled requests served twice, through 3 slots and then through 2 in another admission order, repeat
+    exactly; another seed changes them."""
+    requests = _requests(6, sampled_every=1)
+    first = _serve(_batcher(method, slots=3), requests)
+    again = _serve(_batcher(method, slots=2), requests[::-1])
+    assert all(again[len(requests) - 1 - k] == tokens for k, tokens in first.items())
+    reseeded = [SlotRequest(r.prompt, r.max_new_tokens, SamplingParams(0.9, 0.85, seed=r.sampling.seed + 1))
+                for r in requests]
+    assert _serve(_batcher(method, slots=3), reseeded) != first
 
 
 def test_sampled_requests_with_a_draft_of_a_smaller_padded_vocabulary(tmp_path: Path) -> None:

@@ -229,8 +229,8 @@ def test_dustin_end_to_end_on_the_triton_kernels(env: Env, monkeypatch: pytest.M
     """The Triton backend and every kernel of a round (sparse-verify, verify, SRH, argmax, commit; on the CPU under
     TRITON_INTERPRET=1) decode what the PyTorch references decode, with sparse verification (k = 28 < L) and sparse
     drafting: two prompts of 70 and 3 tokens, 6 new tokens."""
-    if env.device.type == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if env.device.type == "cpu" and torch.cuda.is_available():
+        pytest.skip("on the CPU the kernels run in Triton's interpreter, chosen at import only without a GPU")
     config = dustin_config(budget=28, m=4, n_recent=8)
     prompts = PROMPTS[:2]
     tokens = {}
