@@ -58,7 +58,3 @@ class PhaseGraphs:
         if name not in self._steps:
             self._steps[name] = CapturedStep(fn)
         return self._steps[name]()
-
-    @property
-    def captured(self) -> tuple[str, ...]:
-        return tuple(self._steps)
