@@ -111,12 +111,7 @@ class Decoder:
         phase = timer or self._untimed
         with phase("draft"):
             proposal = self.drafter.propose(self.state, sampling)  # tokens [B, Γ]
-        indices = None
-        if self.selector.budget is not None:  # sparse verification: choose what the target reads this round
-            with phase("estimate"):
-                scores = self.graphs.run("estimate", partial(self.selector.estimate, self.state.lengths))
-            with phase("select"):
-                indices = self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
+        indices = self._select(phase)  # sparse verification: what the target reads this round (None: all)
         with phase("verify"):
             logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))  # [B, Γ+1, V]
         with phase("accept"):
@@ -136,6 +131,16 @@ class Decoder:
         commit_round(draft_tokens, self.verify_tokens, verdict.accepted, verdict.next_tokens, progress.eos,
                      progress.limits, progress.out, progress.active, progress.generated, progress.hist, state.prev,
                      state.cur, state.lengths, use_kernel=self.kernels.round_kernels)
+
+    def _select(self, phase: PhaseTimer) -> torch.Tensor | None:
+        """The estimate and select phases: the round's verification set, or None when the selector verifies in
+        full (no phases run)."""
+        if self.selector.budget is None:
+            return None
+        with phase("estimate"):
+            scores = self.graphs.run("estimate", partial(self.selector.estimate, self.state.lengths))
+        with phase("select"):
+            return self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
 
     def _verify(self, draft_tokens: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
         self.verify_tokens[:, 0] = self.state.cur
@@ -158,10 +163,7 @@ class Decoder:
         if not self.graphs.enabled:
             return
         proposal = self.drafter.capture(self.state, greedy)
-        indices = None
-        if self.selector.budget is not None:
-            scores = self.graphs.run("estimate", partial(self.selector.estimate, self.state.lengths))
-            indices = self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
+        indices = self._select(self._untimed)
         self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))
 
     # ---- a static batch ----------------------------------------------------------------------------------

@@ -164,8 +164,6 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
     if spec.needs_dustin and setup.dustin is None:
         raise ConfigError(f"{method} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
                           "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")
-    if setup.gamma < 1 and spec.needs_draft:
-        raise ConfigError(f"gamma={setup.gamma} must be >= 1")
     tcache = setup.target_cache
     if spec.needs_draft:
         dcache = setup.draft_cache

@@ -15,7 +15,7 @@ import torch
 
 from trtllm_dustin.plugins.argmax import argmax_last
 
-__all__ = ["SamplingParams", "SlotSampling", "sample", "sampling_probs"]
+__all__ = ["SamplingParams", "SlotSampling", "sampling_probs"]
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,12 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the top-p nucleus, renormalised. [.., V]"""
+    """One request's distribution: softmax(logits / T) restricted to the top-p nucleus, renormalised. [.., V]
+    The readable reference of SlotSampling.probs, which computes the same per row."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         probs = _nucleus(probs, torch.tensor(params.top_p, device=probs.device))
     return probs
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
-    if params.greedy:
-        return argmax_last(logits)
-    probs = sampling_probs(logits, params)
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, with no host sync.
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(dim=-1)
 
 
 class SlotSampling:
@@ -82,6 +73,7 @@ class SlotSampling:
             raise ValueError(f"{len(self.generators)} generators for {len(self.params)} slots; give one per slot")
         self.sampled = [p is not None and not p.greedy for p in self.params]
         self.all_greedy = not any(self.sampled)
+        self.any_greedy = not all(self.sampled)
         if not self.shared:
             missing = [b for b, s in enumerate(self.sampled) if s and self.generators[b] is None]
             if missing:
@@ -138,9 +130,10 @@ class SlotSampling:
     def pick(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of logits [B, V]: greedy rows by argmax, sampled rows from `probs` (default
         self.probs(logits)) by an exponential race (argmax p_i / E_i, E_i ~ Exp(1), picks i with probability p_i)."""
-        greedy = argmax_last(logits, use_kernel=self.use_kernel)
         if self.all_greedy:
-            return greedy
+            return argmax_last(logits, use_kernel=self.use_kernel)
         probs = self.probs(logits) if probs is None else probs
         drawn = (probs / self.exponential(tuple(probs.shape))).argmax(dim=-1)
-        return torch.where(self.greedy_rows, greedy, drawn)
+        if not self.any_greedy:
+            return drawn
+        return torch.where(self.greedy_rows, argmax_last(logits, use_kernel=self.use_kernel), drawn)

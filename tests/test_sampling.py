@@ -9,7 +9,7 @@ import torch
 
 from trtllm_dustin.runtime.acceptors import RejectionAcceptor, rejection_accept
 from trtllm_dustin.runtime.drafter import Proposal
-from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling, sample, sampling_probs
+from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling, sampling_probs
 
 CPU = torch.device("cpu")
 
@@ -32,8 +32,7 @@ def test_samples_follow_the_distribution(temperature: float, top_p: float) -> No
     logits = torch.randn(V) * 1.5
     params = SamplingParams(temperature, top_p, seed=1)
     probs = sampling_probs(logits, params)
-    gen = torch.Generator().manual_seed(1)
-    draws = sample(logits.expand(N, V), params, gen)
+    draws = SlotSampling.batch(params, N, CPU, use_kernel=False).pick(logits.expand(N, V))
     counts = torch.bincount(draws, minlength=V).double()
     assert counts[probs == 0].sum() == 0  # nothing outside the nucleus
     assert chi_square_p_value(counts, probs.double()) > 1e-3
@@ -49,10 +48,10 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
 
 def test_greedy_is_argmax_and_seeded_sampling_repeats() -> None:
     logits = torch.randn(7, 50)
-    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    assert torch.equal(SlotSampling.batch(SamplingParams(), 7, CPU).pick(logits), logits.argmax(-1))
     p = SamplingParams(1.0, 0.9, seed=5)
-    a = sample(logits, p, torch.Generator().manual_seed(5))
-    b = sample(logits, p, torch.Generator().manual_seed(5))
+    a = SlotSampling.batch(p, 7, CPU).pick(logits)
+    b = SlotSampling.batch(p, 7, CPU).pick(logits)
     assert torch.equal(a, b)
 
 

@@ -53,6 +53,8 @@ class RejectionAcceptor:
         if proposal.probs is None:
             raise ValueError("rejection sampling needs the draft's distributions; the proposal was greedy")
         accepted, nxt = rejection_accept(proposal.tokens, proposal.probs, target_logits, sampling)
+        if not sampling.any_greedy:
+            return Verdict(accepted, nxt)
         greedy_accepted, greedy_next = greedy_accept(proposal.tokens, target_logits, self.use_kernel)
         rows = sampling.greedy_rows
         return Verdict(torch.where(rows, greedy_accepted, accepted), torch.where(rows, greedy_next, nxt))

@@ -93,10 +93,9 @@ class ModelDrafter:
     def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
         greedy = sampling.all_greedy
         for step in range(self.gamma):
-            if greedy:
-                self.graphs.run(f"draft{step}-greedy", partial(self._greedy_step, state, step))
+            logits = self._step(state, step, greedy)  # [B, V_draft]
+            if greedy:  # the step picked its token inside its graph
                 continue
-            logits = self.graphs.run(f"draft{step}", partial(self._forward, state, step))  # [B, V_draft]
             probs = sampling.probs(logits)
             self.tokens[:, step] = sampling.pick(logits, probs)
             self.probs[:, step, : self.vocab_size] = probs
@@ -109,13 +108,16 @@ class ModelDrafter:
         """Capture every step (no sampling, no randomness drawn). Their side effects (draft K/V past the committed
         length, drafted tokens) are all rewritten by the next real round before being read."""
         for step in range(self.gamma):
-            if greedy:
-                self.graphs.run(f"draft{step}-greedy", partial(self._greedy_step, state, step))
-            else:
-                self.graphs.run(f"draft{step}", partial(self._forward, state, step))
+            self._step(state, step, greedy)
         return Proposal(self.tokens, None if greedy else self.probs)
 
     # ---- one step ----------------------------------------------------------------------------------------
+    def _step(self, state: RoundState, step: int, greedy: bool) -> torch.Tensor:
+        """Step `step` as a fixed-shape phase (its CUDA graph on the GPU); a greedy one also writes its token."""
+        if greedy:
+            return self.graphs.run(f"draft{step}-greedy", partial(self._greedy_step, state, step))
+        return self.graphs.run(f"draft{step}", partial(self._forward, state, step))
+
     def _forward(self, state: RoundState, step: int) -> torch.Tensor:
         L = state.lengths
         if step == 0:
