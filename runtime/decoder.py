@@ -60,7 +60,12 @@ class Decoder:
         dtype = target.embed.weight.dtype  # the model's, not the cache's (which may be fp8)
         self.verify_queries = {layer: torch.zeros(slots, self.gamma + 1, config.num_heads, config.head_dim,
                                                   dtype=dtype, device=self.device) for layer in layers}
-        self._capture = QueryCapture(layers, dict(self.verify_queries)) if layers else None
+        # The target layers whose hidden states (block outputs) the drafter reads (LongSpark's boundary state).
+        self.target_hidden_layers = tuple(drafter.target_hidden_layers)
+        self.verify_hidden = {layer: torch.zeros(slots, self.gamma + 1, config.hidden_size, dtype=dtype,
+                                                 device=self.device) for layer in self.target_hidden_layers}
+        self._capture = QueryCapture(layers, dict(self.verify_queries), dict(self.verify_hidden)) \
+            if layers or self.target_hidden_layers else None
         self._greedy = GreedyAcceptor(kernels.round_kernels)
         self._rejection = RejectionAcceptor(kernels.round_kernels)
         self._untimed = PhaseTimer(False, self.device)
@@ -70,21 +75,32 @@ class Decoder:
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int = 2048) -> torch.Tensor:
         """Write the prompts into both caches at slots [start, stop), run the per-slot hooks, and return the
         target's logits of each prompt's next token [n, V] (ids outside the shared vocabulary masked)."""
+        n, dtype = len(prompts), self.target.embed.weight.dtype
+        hidden = {layer: torch.zeros(n, self.target.config.hidden_size, dtype=dtype, device=self.device)
+                  for layer in self.target_hidden_layers}
         logits, queries = prefill(self.target, slot_range(self.cache, slots), self.backend, prompts, chunk,
-                                  self.target_query_layers)
+                                  self.target_query_layers, hidden_out=hidden)
         self.drafter.prefill(slots, prompts, chunk)
-        self.prefilled(slots, prompts, queries)
+        self.prefilled(slots, prompts, queries, hidden)
         return self.shared_logits(logits)
 
     @torch.inference_mode()
-    def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor]) -> None:
+    def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor],
+                  hidden: dict[int, torch.Tensor] | None = None) -> None:
         """The caches already hold the prompts at slots [start, stop) (a prefill shared by several decoders):
         set the slots' lengths and run the drafter's and selector's prompt-time hooks. queries: target layer ->
-        [n, H_q, D], the last prompt token's query, for at least the decoder's target_query_layers."""
+        [n, H_q, D], the last prompt token's query, for at least the decoder's target_query_layers; hidden: target
+        layer -> [n, H], its hidden state, for at least target_hidden_layers."""
+        hidden = hidden or {}
+        missing = [layer for layer in self.target_hidden_layers if layer not in hidden]
+        if missing:
+            raise ValueError(f"{self.name} reads the target's hidden states at layers {missing}; the prefill given "
+                             "kept none (pass hidden_out to prefill)")
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         self.state.lengths[slots] = lengths
         view = PrefillView(slots, [list(p) for p in prompts], lengths,
-                           {layer: queries[layer] for layer in self.target_query_layers})
+                           {layer: queries[layer] for layer in self.target_query_layers},
+                           {layer: hidden[layer] for layer in self.target_hidden_layers})
         self.drafter.on_prefill(view)
         self.selector.on_prefill(view)
 
@@ -118,7 +134,7 @@ class Decoder:
             acceptor = acceptor or (self._greedy if sampling.all_greedy else self._rejection)
             verdict = acceptor.accept(proposal, logits, progress, sampling)
             seen = Observation(verdict.accepted, verdict.next_tokens, progress.active, self.state.lengths, indices,
-                               self.verify_queries)
+                               self.verify_queries, self.verify_hidden)
             self.drafter.observe(seen)  # both read the verdict before the commit moves the state on
             self.selector.observe(seen)
             self.commit(proposal.tokens, verdict, progress)

@@ -6,15 +6,16 @@ before the commit, and can expose its lookahead (the queries and keys of the dra
 estimator. The round (round.py) calls nothing else, so a new drafter, an autoregressive model or a
 block-parallel one, plugs in here without touching the round.
 
-Implementations: drafters/no_draft.py (vanilla decoding: Γ = 0) and drafters/model_drafter.py (an autoregressive
+Implementations: drafters/no_draft.py (vanilla decoding: Γ = 0), drafters/model_drafter.py (an autoregressive
 draft model), whose attention is one of drafters/full_cache.py (Classic SD), drafters/streaming_window.py
-(MagicDec) or drafters/verification_set.py (sparse drafting).
+(MagicDec) or drafters/verification_set.py (sparse drafting), and drafters/longspark.py (a block-parallel drafter
+of fixed per-round cost that reads the target's own cache and hidden states).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -50,11 +51,13 @@ class PrefillView:
     prompts: list[list[int]]
     lengths: torch.Tensor  # int32 [n]: prompt lengths
     queries: dict[int, torch.Tensor]  # target layer -> [n, H_q, D]: the last prompt token's rotated query
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # target layer -> [n, H]: its hidden state
 
 
 class Drafter(Protocol):
     gamma: int  # tokens proposed per round
     target_query_layers: tuple[int, ...]  # target layers whose queries it reads (PrefillView, Observation)
+    target_hidden_layers: tuple[int, ...]  # target layers whose hidden states it reads (PrefillView, Observation)
 
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
         """Write the prompts into the drafter's own cache for slots [start, stop)."""

@@ -11,13 +11,14 @@ compares at the same k), or MethodSetup.draft_budget when no Dustin config is gi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trtllm_dustin.attention import AttentionBackend
 from trtllm_dustin.config import ConfigError
-from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.models.longspark import LongSpark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.decoder import Decoder
@@ -25,6 +26,7 @@ from trtllm_dustin.runtime.drafter import Drafter
 from trtllm_dustin.runtime.drafters import (
     DraftView,
     FullCacheView,
+    LongSparkDrafter,
     ModelDrafter,
     NoDraft,
     StreamingWindowView,
@@ -55,6 +57,7 @@ class MethodSetup:
     gamma: int = 3  # draft tokens per round
     draft_budget: int = 512  # MagicDec's StreamingLLM budget for the draft (and the baselines' k without a config)
     dustin: DustinConfig | None = None  # Dustin's searched estimator configuration
+    longspark: LongSpark | None = None  # a LongSpark drafter attached to the target (the longspark methods)
     use_cuda_graph: bool = True  # replay the round's fixed-shape phases from CUDA graphs (CUDA only)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # given to both models; the graphs record it
 
@@ -72,6 +75,12 @@ class Method:
     needs_dustin: bool = False  # needs a searched Dustin config (its SRH heads, or its budget for the draft)
     sparse: bool = False  # verifies against a selected set of k positions (the selector has a budget)
     offered: bool = True  # a user option (CLI, model repository); False: evaluation only
+    needs_longspark: bool = False  # drafts with a LongSpark drafter (no draft model, no draft cache)
+
+    @property
+    def speculative(self) -> bool:
+        """Proposes draft tokens (Γ > 0): every method but vanilla."""
+        return self.needs_draft or self.needs_longspark
 
 
 # ---- drafters --------------------------------------------------------------------------------------------------
@@ -84,6 +93,10 @@ def _model_drafter(view: Callable[[MethodSetup], DraftView]) -> DrafterFactory:
         return ModelDrafter(setup.draft, setup.draft_cache, view(setup), setup.backend, setup.gamma,
                             setup.target.config.vocab_size, graphs, setup.kernels.round_kernels)
     return build
+
+
+def _longspark(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
+    return LongSparkDrafter(setup.longspark, setup.target_cache, setup.gamma, graphs, setup.kernels.round_kernels)
 
 
 def _verification_set(setup: MethodSetup) -> DraftView:
@@ -106,6 +119,25 @@ def _dustin(variant: str, adaptive: bool = False) -> SelectorFactory:
             if adaptive else None
         return DustinSelector(config, setup.target_cache, setup.target.config, setup.target.embed.weight.dtype,
                               lookahead, share, pdl=setup.kernels.pdl)
+    return build
+
+
+def _dustin_longspark(variant: str) -> SelectorFactory:
+    """Dustin over a LongSpark draft: S_draft scores the LongSpark blocks' queries of the proposed positions against
+    the target's own keys of the block's layer (the blocks attend in that layer's key space), with the SRH heads the
+    search chose for that target layer; S_target as in Dustin. No draft KV is read."""
+    def build(setup: MethodSetup, drafter: Drafter) -> Selector:
+        base = setup.dustin
+        base.check_models(setup.target.config, None)
+        reads = setup.longspark.config.target_layers
+        blocks = tuple(LayerHeads(reads.index(lh.layer), lh.heads) for lh in base.target_layers if lh.layer in reads)
+        if not blocks and variant != "t":
+            raise ConfigError(f"the LongSpark drafter reads target layers {list(reads)}, none of the Dustin config's "
+                              f"SRH layers {[lh.layer for lh in base.target_layers]}; its lookahead cannot be scored")
+        config = replace(base, draft_layers=blocks, draft_fingerprint="").variant(variant)
+        lookahead = drafter.lookahead([lh.layer for lh in config.draft_layers])
+        return DustinSelector(config, setup.target_cache, setup.target.config, setup.target.embed.weight.dtype,
+                              lookahead, pdl=setup.kernels.pdl)
     return build
 
 
@@ -150,6 +182,14 @@ METHODS: dict[str, Method] = {
     "dustin-h-adaptive": Method(_FULL_DRAFT, _dustin("h", adaptive=True),
                                 "Dustin-H with m from the draft's confidence (evaluation only)", needs_dustin=True,
                                 sparse=True, offered=False),
+    "longspark": Method(_longspark, _full, "LongSpark: fixed-cost block-parallel draft (--longspark), full "
+                        "verification", needs_draft=False, needs_longspark=True),
+    "dustin-h-longspark": Method(_longspark, _dustin_longspark("h"), "LongSpark draft, Dustin-H sparse verification "
+                                 "(lookahead scored on the target's keys)", needs_draft=False, needs_longspark=True,
+                                 needs_dustin=True, sparse=True),
+    "dustin-t-longspark": Method(_longspark, _dustin_longspark("t"), "LongSpark draft, Dustin-T sparse verification "
+                                 "(evaluation only: the hybrid's comparison)", needs_draft=False, needs_longspark=True,
+                                 needs_dustin=True, sparse=True, offered=False),
 }
 OFFERED_METHODS = tuple(name for name, method in METHODS.items() if method.offered)
 
@@ -161,6 +201,11 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
     spec = METHODS[method]
     if spec.needs_draft and (setup.draft is None or setup.draft_cache is None):
         raise ConfigError(f"method {method} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
+    if spec.needs_longspark and setup.longspark is None:
+        raise ConfigError(f"method {method} needs a LongSpark drafter; pass --longspark DIR (default with the default "
+                          "model: the packaged one)")
+    if spec.needs_longspark and setup.longspark.target is not setup.target:
+        raise ConfigError(f"method {method}: the LongSpark drafter is attached to another target model than this one")
     if spec.needs_dustin and setup.dustin is None:
         raise ConfigError(f"{method} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
                           "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")

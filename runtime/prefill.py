@@ -30,12 +30,14 @@ def slot_range(cache: KVCache, slots: slice) -> KVCache:
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, prompts: Sequence[Sequence[int]],
-            chunk: int = 2048, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            chunk: int = 2048, capture_layers: Sequence[int] = (), hidden_out: dict[int, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Write the prompts' K/V into the cache's slots 0 .. B-1 (pass a `slot_range` view for others), set their
     seqlens to the prompt lengths, return the last token's logits [B, V].
 
     For each layer in `capture_layers` also return the last prompt token's rotated queries [B, H_q, D]
-    (Dustin's first target-history signal, paper Sec. 4.2.3).
+    (Dustin's first target-history signal, paper Sec. 4.2.3). hidden_out: layer -> [B, H] buffers, filled with
+    the last prompt token's hidden state (the block's output) at each of those layers (LongSpark's boundary state).
     """
     device = cache.seqlens.device
     B = len(prompts)
@@ -58,10 +60,12 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
         meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=end)
         in_chunk = (lens - 1 - start).clamp(0, end - start - 1)  # [B]: each prompt's last token in this chunk
         capture = None
-        if capture_layers:
+        if capture_layers or hidden_out:
             capture = QueryCapture(tuple(capture_layers), {
                 layer: torch.empty(B, end - start, config.num_heads, config.head_dim, dtype=qdtype,
-                                   device=device) for layer in capture_layers})
+                                   device=device) for layer in capture_layers},
+                {layer: torch.empty(B, end - start, config.hidden_size, dtype=qdtype, device=device)
+                 for layer in (hidden_out or {})})
         logits = model(tokens[:, start:end], view, meta, backend, logit_index=in_chunk, capture=capture)
         ends_here = ((lens - 1) >= start) & ((lens - 1) < end)  # [B]
         last_logits = torch.where(ends_here[:, None], logits, last_logits)
@@ -69,6 +73,8 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
             rows = torch.arange(B, device=device)
             for layer, q in capture.queries.items():
                 last_queries[layer] = torch.where(ends_here[:, None, None], q[rows, in_chunk], last_queries[layer])
+            for layer, h in capture.hidden.items():
+                hidden_out[layer].copy_(torch.where(ends_here[:, None], h[rows, in_chunk], hidden_out[layer]))
         view.seqlens.add_(end - start)
     view.seqlens.copy_(lens)
     return last_logits, last_queries

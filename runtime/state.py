@@ -9,7 +9,7 @@ model drafter's first step reads position L_b - 1); their writes land where noth
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,3 +93,4 @@ class Observation:
     lengths: torch.Tensor  # int32 [B]: L_b before the commit
     indices: torch.Tensor | None  # int32 [B, k]: the round's verification set (None: full verification)
     verify_queries: dict[int, torch.Tensor]  # target layer -> [B, Γ + 1, H_q, D] queries of the verified tokens
+    verify_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # target layer -> [B, Γ + 1, H] hidden

@@ -13,6 +13,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.longspark import random_longspark
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
@@ -24,7 +25,7 @@ EOS = (1,)  # tiny-llama's
 DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))),
                       budget=40, m=6, n_sink=4, n_recent=8, gamma=3)  # sparse: 40 of up to 96 positions (SnapKV's
 # window of 32 must fit in k)
-SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft",
+SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
                        methods=("classic", "vanilla", "dustin-h"), dustin=DUSTIN, max_batch=4,
                        max_seq_len=MAX_SEQ_LEN, queue_size=32, weights_seed=WEIGHTS_SEED, prefill_chunk=16)
 
@@ -57,17 +58,23 @@ def _models() -> tuple:
     return target, draft
 
 
+@functools.cache
+def longspark_drafter():
+    """The served LongSpark drafter: `--longspark random` draws it with the draft's seed, as the engine does."""
+    return random_longspark(_models()[0], seed=WEIGHTS_SEED + 1)
+
+
 def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                 seed: int = 0, draft=None) -> str:
     """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters."""
     target, default_draft = _models()
     draft = draft or default_draft
-    speculative = METHODS[method].needs_draft
+    speculative = METHODS[method].needs_draft  # a draft model and its cache
     decoder = build_decoder(method, MethodSetup(
         target=target, target_cache=KVCache.allocate(target.config, 1, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft if speculative else None,
         draft_cache=KVCache.allocate(draft.config, 1, MAX_SEQ_LEN, torch.float32, "cpu") if speculative else None,
-        gamma=SERVED.gamma, dustin=DUSTIN, use_cuda_graph=False))
+        gamma=SERVED.gamma, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
     config = GenerationConfig(max_tokens, SamplingParams(temperature, top_p, seed), EOS, prefill_chunk=16)
     with reference_kernels():
         tokens = decoder.generate([[ord(c) for c in text]], config).tokens[0]

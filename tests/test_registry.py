@@ -15,6 +15,7 @@ from trtllm_dustin.cli import build_parser
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.longspark import random_longspark
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
 from trtllm_dustin.serving import ServingConfig
 
@@ -34,8 +35,8 @@ def test_the_cli_offers_exactly_the_offered_methods() -> None:
 
 
 def test_the_serving_config_takes_every_offered_method_and_no_other() -> None:
-    config = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", methods=OFFERED_METHODS,
-                           dustin=dustin_config(budget=40, m=4))
+    config = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
+                           methods=OFFERED_METHODS, dustin=dustin_config(budget=40, m=4))
     assert ServingConfig.from_json(config.to_json()) == config
     for name, method in METHODS.items():
         if not method.offered:
@@ -61,17 +62,23 @@ def test_each_entry_says_what_it_needs(name: str) -> None:
     def setup(**changes) -> MethodSetup:
         base = dict(target=target, target_cache=KVCache.allocate(target.config, 2, 64, DTYPE, "cpu"),
                     backend=get_backend("reference"), draft=draft,
-                    draft_cache=KVCache.allocate(draft.config, 2, 64, DTYPE, "cpu"), dustin=dustin_config(40, 4))
+                    draft_cache=KVCache.allocate(draft.config, 2, 64, DTYPE, "cpu"), dustin=dustin_config(40, 4),
+                    longspark=random_longspark(target, seed=1))
         return MethodSetup(**{**base, **changes})
 
     decoder = build_decoder(name, setup())
-    assert decoder.name == name and (decoder.gamma > 0) == method.needs_draft
+    assert decoder.name == name and (decoder.gamma > 0) == method.speculative
     assert (decoder.selector.budget is not None) == method.sparse
     if method.needs_draft:
         with pytest.raises(ConfigError, match="needs a draft model; pass --draft"):
             build_decoder(name, setup(draft=None, draft_cache=None))
     else:
-        assert build_decoder(name, setup(draft=None, draft_cache=None)).gamma == 0
+        assert build_decoder(name, setup(draft=None, draft_cache=None)).gamma == (3 if method.needs_longspark else 0)
+    if method.needs_longspark:
+        with pytest.raises(ConfigError, match="needs a LongSpark drafter; pass --longspark"):
+            build_decoder(name, setup(longspark=None))
+    else:
+        assert build_decoder(name, setup(longspark=None)).name == name
     if method.needs_dustin:
         with pytest.raises(ConfigError, match="trtllm-dustin search"):
             build_decoder(name, setup(dustin=None))

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_common import DUSTIN, EOS, MAX_SEQ_LEN, SERVED, _models, direct_text, prompt_text, reference_kernels
+from serving_common import (
+    DUSTIN,
+    EOS,
+    MAX_SEQ_LEN,
+    SERVED,
+    _models,
+    direct_text,
+    longspark_drafter,
+    prompt_text,
+    reference_kernels,
+)
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
@@ -23,7 +33,8 @@ from trtllm_dustin.serving.text import CodepointCodec, IncrementalDetokenizer, S
 # Every registered method, named here on purpose: registering a method fails test_every_method_is_covered until it
 # is added (with whatever setup it needs) to the in-flight parity test below.
 COVERED = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-t", "dustin-d", "dustin-h-sparse-draft",
-           "streamingllm", "snapkv", "quest", "dustin-h-adaptive")
+           "streamingllm", "snapkv", "quest", "dustin-h-adaptive", "longspark", "dustin-h-longspark",
+           "dustin-t-longspark")
 
 
 def test_every_method_is_covered() -> None:
@@ -37,7 +48,7 @@ def _batcher(method: str, slots: int, draft=None) -> InflightBatcher:
         target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft,
         draft_cache=KVCache.allocate(draft.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"), gamma=SERVED.gamma,
-        draft_budget=SERVED.draft_budget, dustin=DUSTIN, use_cuda_graph=False))
+        draft_budget=SERVED.draft_budget, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
     return InflightBatcher(decoder, EOS, prefill_chunk=16)
 
 

@@ -15,6 +15,7 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, load_longspark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.generation import GenerationConfig
@@ -69,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decoding method (default: vanilla): " + _method_list())
     gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model; "
                      "default with the default model: its packaged distilled draft)")
-    gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    gen.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory "
+                     "from `train-longspark`, or random (random weights, for presets) (default with the default "
+                     f"model: the packaged {DEFAULT_LONGSPARK})")
+    gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round (default: 3)")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     gen.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                      help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads; "
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
     repo.add_argument("--backend", choices=["reference", "triton"], default=None,
                       help="attention backend (default: triton on cuda, reference on cpu)")
+    repo.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory, "
+                      f"or random (default with the default model: the packaged {DEFAULT_LONGSPARK})")
     repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
@@ -139,6 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", default=None)
     train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
     train.set_defaults(func=_train_draft)
+
+    from trtllm_dustin.training.longspark import LongSparkTrainConfig
+
+    defaults = LongSparkTrainConfig()
+    spark = sub.add_parser("train-longspark", help="train a LongSpark drafter against its frozen target (GPU; "
+                           "resumable: rerun with the same --out)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    spark.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
+    spark.add_argument("--out", type=Path, required=True,
+                       help="directory for checkpoint/, resume.pt, the training record and the loss curve")
+    spark.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    spark.add_argument("--target-layers", default=",".join(map(str, defaults.target_layers)),
+                       help="target layers read, one drafter block each")
+    for name in ("window", "summary", "block", "lora_rank", "seq_len", "batch_size", "anchor_stride", "steps",
+                 "seed"):
+        spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    spark.add_argument("--lr", type=float, default=defaults.lr)
+    spark.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    spark.set_defaults(func=_train_longspark)
     return parser
 
 
@@ -161,6 +187,25 @@ def _train_draft(args: argparse.Namespace) -> int:
                         head_vocab=args.head_vocab if layers else 0, draft_shape=args.draft_shape)
     record = train_draft(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                          max_seconds=args.max_seconds)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+def _train_longspark(args: argparse.Namespace) -> int:
+    from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.tokens.is_file():
+        raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
+                          f"--out {args.tokens} --seq-len {args.seq_len}`")
+    layers = tuple(int(i) for i in args.target_layers.split(",") if i.strip())
+    cfg = LongSparkTrainConfig(target_layers=layers, window=args.window, summary=args.summary, block=args.block,
+                               lora_rank=args.lora_rank, seq_len=args.seq_len, batch_size=args.batch_size,
+                               anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
+                               warmup=min(100, args.steps // 10))
+    cfg.drafter("")  # the drafter's own checks, before the target loads
+    record = train_longspark(args.tokens, args.out, cfg, target_spec=args.target, device=device,
+                             max_seconds=args.max_seconds)
     print(json.dumps(record, indent=2))
     return 0
 
@@ -193,7 +238,7 @@ def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
         if not args.prompt_file.is_file():
             raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
-    elif args.prompt is None and METHODS[args.method].needs_draft and loaded.tokenizer is not None:
+    elif args.prompt is None and METHODS[args.method].speculative and loaded.tokenizer is not None:
         long_text = _long_text_prompt(loaded.tokenizer)
         if long_text is not None:
             return long_text
@@ -224,7 +269,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
                          "lower it")
     method = METHODS[args.method]
-    speculative = method.needs_draft
+    speculative = method.speculative
     if speculative:
         max_seq_len = max(max_seq_len, len(prompt) + args.max_new_tokens + args.gamma)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
@@ -234,12 +279,19 @@ def _generate(args: argparse.Namespace) -> int:
     if method.needs_dustin and dustin is None:
         raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
                           "this target/draft pair with `trtllm-dustin search`")
-    if speculative and args.draft is None:
-        if args.model not in (None, DEFAULT_MODEL):
+    default_model = args.model in (None, DEFAULT_MODEL)
+    if method.needs_longspark and args.longspark is None:
+        if not default_model:
+            raise ConfigError(f"--method {args.method} needs --longspark DIR (from `trtllm-dustin train-longspark`), "
+                              "or --longspark random for random weights")
+        args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
+    longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
+    if method.needs_draft and args.draft is None:
+        if not default_model:
             raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
         args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
     draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1,
-                       share_with=loaded.model).model if speculative else None
+                       share_with=loaded.model).model if method.needs_draft else None
     kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
     decoder = build_decoder(args.method, MethodSetup(
@@ -248,8 +300,8 @@ def _generate(args: argparse.Namespace) -> int:
         draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len,
                                      draft_kv_dtype(args.draft_kv_cache, dtype), device)
         if draft else None,
-        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, use_cuda_graph=not args.no_cuda_graph,
-        kernels=kernels))
+        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, longspark=longspark,
+        use_cuda_graph=not args.no_cuda_graph, kernels=kernels))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
     prompts = [prompt] * args.batch_size
@@ -273,7 +325,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
     config = ServingConfig(
-        model=args.model, draft=args.draft, methods=tuple(args.method),
+        model=args.model, draft=args.draft, longspark=args.longspark, methods=tuple(args.method),
         dustin=DustinConfig.load(args.dustin_config) if args.dustin_config else None, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,

@@ -73,10 +73,13 @@ class DustinConfig:
         free = self.budget - self.n_sink - self.n_recent
         return {"h": self, "t": replace(self, m=0), "d": replace(self, m=free)}[name]
 
-    def check_models(self, target: ModelConfig, draft: ModelConfig) -> None:
-        """Refuse a config whose layers/heads do not exist in these models or that was searched for others."""
-        for side, layers, model, fingerprint in (("target", self.target_layers, target, self.target_fingerprint),
-                                                 ("draft", self.draft_layers, draft, self.draft_fingerprint)):
+    def check_models(self, target: ModelConfig, draft: ModelConfig | None) -> None:
+        """Refuse a config whose layers/heads do not exist in these models or that was searched for others (draft
+        None: check the target side only, for a drafter that is not the searched draft model)."""
+        sides = [("target", self.target_layers, target, self.target_fingerprint)]
+        if draft is not None:
+            sides.append(("draft", self.draft_layers, draft, self.draft_fingerprint))
+        for side, layers, model, fingerprint in sides:
             if fingerprint and fingerprint != model_fingerprint(model):
                 raise ConfigError(f"this Dustin config was searched for another {side} model than {model.name}; "
                                   f"run `trtllm-dustin search` for this pair")

@@ -18,6 +18,7 @@ __all__ = ["NoDraft"]
 class NoDraft:
     gamma = 0
     target_query_layers: tuple[int, ...] = ()
+    target_hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device) -> None:
         self.tokens = torch.zeros(slots, 0, dtype=torch.long, device=device)

@@ -17,7 +17,7 @@ GEMM for the decode shapes of `kernels`' tactic table and F.linear otherwise, an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -55,10 +55,18 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class QueryCapture:
-    """Where a forward stores the rotated queries of chosen layers (for SRH scoring, paper Sec. 4.2)."""
+    """Where a forward stores the rotated queries of chosen layers (for SRH scoring, paper Sec. 4.2), and the hidden
+    states (block outputs) of chosen layers (LongSpark's boundary state)."""
 
     layers: tuple[int, ...]  # decoder layers whose queries are kept
     queries: dict[int, torch.Tensor]  # layer -> [B, n, H_q, D] buffer: the last n tokens' queries, copied in place
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, n, H]: the last n tokens' outputs
+
+
+def _keep_hidden(capture: QueryCapture | None, layer: int, h: torch.Tensor) -> None:
+    if capture is not None and layer in capture.hidden:
+        buffer = capture.hidden[layer]
+        buffer.copy_(h[:, h.shape[1] - buffer.shape[1]:])
 
 
 class Attention(nn.Module):
@@ -173,6 +181,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             h = h + block.attention(block.attention_norm(h), cos, sin, positions, i, cache, meta, backend, capture)
             h = h + block.feed_forward(block.ffn_norm(h))
+            _keep_hidden(capture, i, h)
         if logit_index is not None:
             h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
         return self._logits(F.linear(self.norm(h), self.output_weight()), logit_index)
@@ -188,6 +197,8 @@ class Transformer(nn.Module):
             delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture, kernels)
             x, h = norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
             delta = block.feed_forward.forward_fused(x, self.linear_workspace, kernels)
+            if capture is not None and i in capture.hidden:  # the block's output is h + delta (added by the next norm)
+                _keep_hidden(capture, i, h + delta)
         if logit_index is not None:
             rows = torch.arange(B, device=h.device), logit_index
             x, _ = norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)

@@ -23,7 +23,8 @@ class ServingConfig:
     """One Triton model instance: the models it loads, the methods it serves and its batching limits."""
 
     model: str | None = None  # checkpoint dir, .gguf file or preset:NAME; None = the embedded SmolLM2 default
-    draft: str | None = None  # draft model (same forms); needed by every method but vanilla
+    draft: str | None = None  # draft model (same forms); needed by the draft-model methods
+    longspark: str | None = None  # LongSpark drafter dir or "random"; None = the packaged one (default model only)
     methods: tuple[str, ...] = ("vanilla",)  # methods served; each keeps its own KV caches (memory x methods)
     default_method: str = ""  # used when a request names none; "" = the first of `methods`
     dustin: DustinConfig | None = None  # Dustin's searched estimator configuration (dustin-* methods)
@@ -56,6 +57,10 @@ class ServingConfig:
             raise ConfigError(f"method(s) {unknown} are unknown; choose from {', '.join(OFFERED_METHODS)}")
         if self.default_method and self.default_method not in self.methods:
             raise ConfigError(f"default method {self.default_method!r} is not among the served {self.methods}")
+        needing = [m for m in self.methods if METHODS[m].needs_longspark]
+        if needing and self.longspark is None and self.model is not None:
+            raise ConfigError(f"methods {needing} need --longspark DIR (from `trtllm-dustin train-longspark`) or "
+                              "--longspark random; only the default model has a packaged one")
         if any(METHODS[m].needs_draft for m in self.methods) and self.draft is None:
             raise ConfigError(f"speculative methods {self.methods} need a draft model; pass --draft "
                               "DIR|FILE.gguf|preset:NAME")

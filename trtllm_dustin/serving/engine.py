@@ -26,6 +26,7 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
+from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
@@ -125,6 +126,8 @@ class ServingEngine:
         draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
                            share_with=loaded.model).model \
             if speculative else None
+        longspark = load_longspark(config.longspark, loaded.model, seed=config.weights_seed + 1) \
+            if any(METHODS[m].needs_longspark for m in config.methods) else None
         kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
         backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
         batchers = {}
@@ -137,7 +140,7 @@ class ServingEngine:
             decoder = build_decoder(method, MethodSetup(
                 target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
                 draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=config.dustin,
-                use_cuda_graph=config.use_cuda_graph, kernels=kernels))
+                longspark=longspark, use_cuda_graph=config.use_cuda_graph, kernels=kernels))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
         # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
         # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.
