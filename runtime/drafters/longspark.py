@@ -65,6 +65,7 @@ class LongSparkDrafter:
         self._hidden = {layer: torch.zeros(slots, gamma + 1, target.config.hidden_size, dtype=dtype, device=device)
                         for layer in self.layers}
         self._offsets = torch.arange(gamma + 1, device=device)
+        self._observe_captured = False
 
     def state_bytes(self) -> int:
         """Bytes of per-run drafter state (the window is the target's cache, not counted)."""
@@ -133,6 +134,7 @@ class LongSparkDrafter:
         missing = [layer for layer in self.layers if layer not in seen.verify_hidden]
         if missing:
             raise RuntimeError(f"the verification kept no hidden states of target layers {missing}")
+        self._capture_observe(seen.lengths)  # before the copies: capturing runs the phase three times
         self._accepted.copy_(seen.accepted)
         self._active.copy_(seen.active)
         for layer in self.layers:
@@ -144,10 +146,16 @@ class LongSparkDrafter:
         self.graphs.run("longspark-block", partial(self._block, state))
         if greedy:
             self.graphs.run("longspark-greedy", partial(self._greedy, state))
-        if self.graphs.enabled:
-            self._active.zero_()
-            self.graphs.run("longspark-observe", partial(self._observe, state.lengths))
+        self._capture_observe(state.lengths)
         return Proposal(self.tokens, None if greedy else self.probs)
+
+    def _capture_observe(self, lengths: torch.Tensor) -> None:
+        """Capture the observe phase once, with no slot active (an empty update: the state stays exactly as it was),
+        whoever first needs it: a real round's verdict must be folded in once, not once per capture run."""
+        if self.graphs.enabled and not self._observe_captured:
+            self._active.zero_()
+            self.graphs.run("longspark-observe", partial(self._observe, lengths))
+            self._observe_captured = True
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _block(self, state: RoundState) -> torch.Tensor:

@@ -204,8 +204,10 @@ class LongSpark(nn.Module):
 
     # ---- the summary's scores ----------------------------------------------------------------------------------
     def summary_scores(self, j: int, keys: torch.Tensor) -> torch.Tensor:
-        """Logits of layer j's summary queries against keys [N, H_kv, n, D] -> [N, H_kv, R, n] fp32."""
-        return (self.summary_q[j].float() @ keys.float().transpose(-1, -2)) * self.scale
+        """Logits of layer j's summary queries against keys [N, H_kv, n, D] -> [N, H_kv, R, n] fp32 (also under
+        autocast: training's summaries are the runtime's)."""
+        with torch.autocast(keys.device.type, enabled=False):
+            return (self.summary_q[j].float() @ keys.float().transpose(-1, -2)) * self.scale
 
     # ---- the parallel backbone -----------------------------------------------------------------------------------
     def backbone(self, cur: torch.Tensor, lengths: torch.Tensor, boundary: torch.Tensor,
