@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,7 +54,8 @@ def timed(fn, iters: int, device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=sorted(PAIRS), default="llama-8b")
-    parser.add_argument("--contexts", default="8192,32768,65536,131072", help="committed lengths (default: %(default)s)")
+    parser.add_argument("--contexts", default="8192,32768,65536,131072",
+                        help="committed lengths (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4, help="slots, one batch for every context (default: 4)")
     parser.add_argument("--gamma", type=int, default=3, help="tokens proposed per round (default: 3)")
     parser.add_argument("--iters", type=int, default=50, help="timed calls per measurement (default: 50)")
@@ -88,13 +90,13 @@ def main() -> None:
             start_at(decoder, args.batch, context, tokens, 64)
             decoder.capture(True)
             row = {"method": method, "batch": args.batch, "context": context, "gamma": args.gamma,
-                   "draft_ms": timed(lambda: drafter.propose(decoder.state, sampling), args.iters, device)}
+                   "draft_ms": timed(partial(drafter.propose, decoder.state, sampling), args.iters, device)}
             if method == "longspark":
                 seen = Observation(torch.full((args.batch,), args.gamma, dtype=torch.long, device=device),
                                    tokens, torch.ones(args.batch, dtype=torch.bool, device=device),
                                    decoder.state.lengths, None, decoder.verify_queries, decoder.verify_hidden)
                 with torch.inference_mode():
-                    row["observe_ms"] = timed(lambda: drafter.observe(seen), args.iters, device)
+                    row["observe_ms"] = timed(partial(drafter.observe, seen), args.iters, device)
                 row["state_bytes"] = drafter.state_bytes()
                 row["state_what"] = "summaries (fp32 values + log-normalisers) and boundary states"
             else:
@@ -104,7 +106,6 @@ def main() -> None:
             row["drafting_ms"] = row["draft_ms"] + row["observe_ms"]
             rows.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        del decoder
     spark_rows = [r for r in rows if r["method"] == "longspark"]
     times = [r["drafting_ms"] for r in spark_rows]
     states = {r["state_bytes"] for r in spark_rows}
@@ -112,7 +113,8 @@ def main() -> None:
                "longspark_state_bytes_constant": len(states) == 1,
                "goal": "flat within 5 % from the shortest to the longest context"}
     print(summary)
-    out = args.out or RESULTS / "longspark" / f"cost_vs_context_{args.pair}_{'h200' if device.type == 'cuda' else 'cpu'}.json"
+    where = "h200" if device.type == "cuda" else "cpu"
+    out = args.out or RESULTS / "longspark" / f"cost_vs_context_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
                     "longspark": {"target_layers": list(spark.config.target_layers), "window": spark.config.window,
                                   "summary": spark.config.summary, "block": spark.config.block,

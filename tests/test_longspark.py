@@ -23,12 +23,12 @@ from trtllm_dustin.models.longspark import (
     summary_attention,
     summary_merge,
 )
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafters import LongSparkDrafter
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
-from trtllm_dustin.plugins.kernel_config import KernelConfig
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
 WINDOW = 8

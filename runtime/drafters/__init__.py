@@ -7,4 +7,5 @@ from trtllm_dustin.runtime.drafters.no_draft import NoDraft
 from trtllm_dustin.runtime.drafters.streaming_window import StreamingWindowView
 from trtllm_dustin.runtime.drafters.verification_set import VerificationSetView
 
-__all__ = ["DraftView", "FullCacheView", "LongSparkDrafter", "ModelDrafter", "NoDraft", "StreamingWindowView", "VerificationSetView"]
+__all__ = ["DraftView", "FullCacheView", "LongSparkDrafter", "ModelDrafter", "NoDraft", "StreamingWindowView",
+           "VerificationSetView"]

@@ -295,7 +295,8 @@ def _block_attention(q, q_raw, k_loc, v_loc, win_k, win_v, win_valid, sum_k, sum
     qg = q.view(N, G, Hkv, group, D).permute(0, 2, 3, 1, 4)  # [N, H_kv, grp, G, D]
     qr = q_raw.view(N, G, Hkv, group, D).permute(0, 2, 3, 1, 4)
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)  # scores and weights in fp32 (fp64 stays)
-    l_sum = torch.einsum("nhgtd,hrd->nhgtr", qr, sum_k.to(dtype)).to(acc) * scale + sum_bias[:, :, None, None, :].to(acc)
+    l_sum = torch.einsum("nhgtd,hrd->nhgtr", qr, sum_k.to(dtype)).to(acc) * scale
+    l_sum = l_sum + sum_bias[:, :, None, None, :].to(acc)
     l_win = torch.einsum("nhgtd,nhwd->nhgtw", qg, win_k.to(dtype)).to(acc) * scale
     l_win = l_win.masked_fill(~win_valid[:, None, None, None, :], float("-inf"))
     l_loc = torch.einsum("nhgtd,nshd->nhgts", qg, k_loc).to(acc) * scale

