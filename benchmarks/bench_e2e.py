@@ -11,7 +11,7 @@ swept by setting the committed lengths, so every method captures its CUDA graphs
 cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA events per phase).
 Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 
-The LongSpark rows (longspark, dustin-h-longspark) run a random LongSpark drafter sized like the paper's (five
+The LongSpark rows (longspark, dustin-t-longspark, dustin-h-longspark) run a random LongSpark drafter sized like the paper's (five
 blocks on target layers spread over the depth, one of them the Dustin config's target SRH layer, W = 256, R = 16,
 a block of 7 slots proposing Γ). Their stated tau is the pair's tau times a measured ratio (--tau-ratios, from the
 real pair: LongSpark's tau over the autoregressive draft's), labelled so.
@@ -64,7 +64,7 @@ SWITCHES = {
 }
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
 DEFAULT_METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "classic" + FP8_DRAFT,
-                   "dustin-h" + FP8_DRAFT, "longspark", "dustin-h-longspark")
+                   "dustin-h" + FP8_DRAFT, "longspark", "dustin-t-longspark")
 
 
 def split_method(method: str) -> tuple[str, bool]:

@@ -185,11 +185,12 @@ METHODS: dict[str, Method] = {
     "longspark": Method(_longspark, _full, "LongSpark: fixed-cost block-parallel draft (--longspark), full "
                         "verification", needs_draft=False, needs_longspark=True),
     "dustin-h-longspark": Method(_longspark, _dustin_longspark("h"), "LongSpark draft, Dustin-H sparse verification "
-                                 "(lookahead scored on the target's keys)", needs_draft=False, needs_longspark=True,
-                                 needs_dustin=True, sparse=True),
+                                 "(lookahead scored on the target's keys; evaluation only: it did not beat Dustin-T)",
+                                 needs_draft=False, needs_longspark=True, needs_dustin=True, sparse=True,
+                                 offered=False),
     "dustin-t-longspark": Method(_longspark, _dustin_longspark("t"), "LongSpark draft, Dustin-T sparse verification "
-                                 "(evaluation only: the hybrid's comparison)", needs_draft=False, needs_longspark=True,
-                                 needs_dustin=True, sparse=True, offered=False),
+                                 "(the target's history picks the set)", needs_draft=False, needs_longspark=True,
+                                 needs_dustin=True, sparse=True),
 }
 OFFERED_METHODS = tuple(name for name, method in METHODS.items() if method.offered)
 

@@ -155,14 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     spark.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
     spark.add_argument("--out", type=Path, required=True,
                        help="directory for checkpoint/, resume.pt, the training record and the loss curve")
-    spark.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    spark.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
     spark.add_argument("--target-layers", default=",".join(map(str, defaults.target_layers)),
                        help="target layers read, one drafter block each")
-    for name in ("window", "summary", "block", "lora_rank", "seq_len", "batch_size", "anchor_stride", "steps",
-                 "seed"):
-        spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    spark.add_argument("--lr", type=float, default=defaults.lr)
-    spark.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    for name, text in (("window", "recent target KV rows per layer and head (W)"),
+                       ("summary", "summary entries per layer and KV head (R)"),
+                       ("block", "draft slots per block: the most tokens a round can propose"),
+                       ("lora_rank", "rank of each block's adapters"), ("seq_len", "tokens per training window"),
+                       ("batch_size", "windows per step"), ("anchor_stride", "positions between anchors"),
+                       ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
+                       ("seed", "initialisation, data order and anchors")):
+        spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
+    spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
+    spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
     spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
     spark.set_defaults(func=_train_longspark)
     return parser

@@ -52,7 +52,7 @@ class LongSparkTrainConfig:
     batch_size: int = 4  # windows per step
     anchor_stride: int = 16  # anchors every this many positions (4096 / 16 = 256 per window)
     steps: int = 100000  # optimiser steps (usually bounded by max_seconds)
-    lr: float = 6e-4  # peak AdamW learning rate (the paper's), cosine decay after warm-up
+    lr: float = 1e-3  # peak AdamW learning rate (the packaged drafter's; the paper used 6e-4), cosine decay
     warmup: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -74,16 +74,18 @@ class LongSparkTrainConfig:
 
 
 @torch.no_grad()
-def target_features(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...]) -> dict:
+def target_features(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...], queries: bool = False
+                    ) -> dict:
     """The frozen target over whole windows tokens [B, T] (causal, positions 0..T-1): per selected layer its rotated
-    keys and values [B, H_kv, T, D] and its block outputs [B, T, H]; and the final hidden states [B, T, H] (before
-    the norm), from which the teacher's logits at any position follow."""
+    keys and values [B, H_kv, T, D] and its block outputs [B, T, H] (and with `queries` its rotated queries
+    [B, H_q, T, D]); and the final hidden states [B, T, H] (before the norm), from which the teacher's logits at any
+    position follow."""
     if target.rope_cos is None:
         target.setup_rope()
     B, T = tokens.shape
     cos, sin = target.rope_cos[:T][None].expand(B, -1, -1), target.rope_sin[:T][None].expand(B, -1, -1)
     h = target.embed(tokens)
-    keys, values, hidden = {}, {}, {}
+    keys, values, hidden, kept_queries = {}, {}, {}, {}
     for i, block in enumerate(target.layers):
         attn = block.attention
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -96,7 +98,9 @@ def target_features(target: Transformer, tokens: torch.Tensor, layers: tuple[int
         h = h + block.feed_forward(block.ffn_norm(h))
         if i in layers:
             keys[i], values[i], hidden[i] = k, v, h
-    return {"keys": keys, "values": values, "hidden": hidden, "final": h}
+            if queries:
+                kept_queries[i] = q
+    return {"keys": keys, "values": values, "hidden": hidden, "final": h, "queries": kept_queries}
 
 
 def anchor_summaries(scores: torch.Tensor, values: torch.Tensor, anchors: torch.Tensor
@@ -127,13 +131,16 @@ def _windows(keys: torch.Tensor, values: torch.Tensor, anchors: torch.Tensor, wi
     return flat(k), flat(v), valid[None].expand(B, -1, -1).reshape(B * A, window)
 
 
-def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor
+def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+                  capture: dict[int, torch.Tensor] | None = None, feats: dict | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every anchor's drafter block over windows tokens [B, T], built as the runtime builds it at L = anchor
-    (ascending, 1 <= L <= T - G) -> (base logits, teacher logits [B * A, G, V] fp32, previous tokens [B * A, G])."""
+    (ascending, 1 <= L <= T - G) -> (base logits, teacher logits [B * A, G, V] fp32, previous tokens [B * A, G]).
+    capture: block -> [B * A, G', H_q, D] buffers for the blocks' rotated queries (the lookahead); feats: the
+    target_features of these windows, if already computed."""
     cfg, G = model.config, model.config.block
     B, A = tokens.shape[0], anchors.shape[0]
-    feats = target_features(target, tokens, cfg.target_layers)
+    feats = feats if feats is not None else target_features(target, tokens, cfg.target_layers)
     slot_positions = anchors[:, None] + torch.arange(G, device=tokens.device)  # [A, G]: L .. L + G - 1
     with torch.no_grad():
         final = feats["final"][:, slot_positions]  # [B, A, G, H]
@@ -149,7 +156,7 @@ def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, a
     cur = tokens[:, anchors].reshape(B * A)
     lengths = anchors[None].expand(B, -1).reshape(B * A)
     hidden = model.backbone(cur, lengths, boundary.reshape(B * A, *boundary.shape[2:]), windows,
-                            torch.stack(sum_o, dim=1), torch.stack(sum_lse, dim=1))
+                            torch.stack(sum_o, dim=1), torch.stack(sum_lse, dim=1), capture)
     previous = tokens[:, slot_positions].reshape(B * A, G)  # slot i's previous token: the true one at L + i
     return model.base_logits(hidden), teacher.reshape(B * A, G, -1), previous
 
@@ -215,7 +222,10 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
         tmp.replace(resume)  # atomic: an interrupted save leaves the previous one
 
     t0 = last_save = time.perf_counter()
-    bar = tqdm(total=cfg.steps, initial=step, desc="training LongSpark")
+    # A time budget is what bounds the run: the bar counts its seconds then (steps would show a meaningless ETA).
+    timed = max_seconds is not None
+    bar = tqdm(total=round(max_seconds) if timed else cfg.steps, initial=round(seconds_before) if timed else step,
+               unit="s" if timed else "step", desc="training LongSpark")
     while step < cfg.steps:
         rows = order[np.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size) % len(order)]
         tokens = torch.from_numpy(np.asarray(data[rows, :T]).astype(np.int64)).to(device)
@@ -232,9 +242,9 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
         now = time.perf_counter()
+        bar.update(round(seconds_before + now - t0) - bar.n if timed else 1)
+        bar.set_postfix(step=step, loss=f"{losses[-1]:.3f}")
         if now - last_save > save_every:
             save_resume(seconds_before + now - t0)
             last_save = now
