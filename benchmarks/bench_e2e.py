@@ -11,10 +11,10 @@ swept by setting the committed lengths, so every method captures its CUDA graphs
 cache would. Each method runs a throughput pass (no events) and a profiling pass (CUDA events per phase).
 Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 
-The LongSpark rows (longspark, dustin-t-longspark, dustin-h-longspark) run a random LongSpark drafter sized like the paper's (five
-blocks on target layers spread over the depth, one of them the Dustin config's target SRH layer, W = 256, R = 16,
-a block of 7 slots proposing Γ). Their stated tau is the pair's tau times a measured ratio (--tau-ratios, from the
-real pair: LongSpark's tau over the autoregressive draft's), labelled so.
+The LongSpark rows (longspark, dustin-t-longspark, dustin-h-longspark) run a random LongSpark drafter sized like
+the paper's (five blocks on target layers spread over the depth, one of them the Dustin config's target SRH layer,
+W = 256, R = 16, a block of 7 slots proposing Γ). Their stated tau is the pair's tau times a measured ratio
+(--tau-ratios, from the real pair: LongSpark's tau over the autoregressive draft's), labelled so.
 
 A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
 (e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
