@@ -34,7 +34,7 @@ class Env:
     draft: Transformer
     device: torch.device
     backend: str  # the CPU runs the PyTorch reference eagerly; CUDA runs the Triton kernels from CUDA graphs
-    spark: LongSpark  # a random LongSpark drafter of the target (window 8: most contexts outgrow it)
+    spark: LongSpark | None = None  # a random LongSpark drafter of the target (window 8: most contexts outgrow it)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
