@@ -85,13 +85,13 @@ def test_the_packaged_longspark_is_small_recorded_and_useful(pair) -> None:
     spark = load_longspark(None, target.model)
     encode = as_encoder(target.tokenizer)
     doc = next(d for d in split_documents("validation", ["shakespeare"]) if len(d.text) > 8000)
-    prompt = encode(doc.text)[:400]
+    prompt = encode(doc.text)[:300]
     tokens = {}
     for method in ("vanilla", "longspark"):
         decoder = build_decoder(method, MethodSetup(
-            target=target.model, target_cache=KVCache.allocate(target.model.config, 1, 440, torch.float32, "cpu"),
+            target=target.model, target_cache=KVCache.allocate(target.model.config, 1, 330, torch.float32, "cpu"),
             backend=get_backend("reference"), longspark=spark))
-        result = decoder.generate([prompt], GenerationConfig(max_new_tokens=30, eos_token_ids=()))
+        result = decoder.generate([prompt], GenerationConfig(max_new_tokens=24, eos_token_ids=()))
         tokens[method] = result.tokens
     assert tokens["longspark"] == tokens["vanilla"]
-    assert result.tau > 1.2, f"tau {result.tau:.2f}"
+    assert result.tau > 1.2, f"tau {result.tau:.2f}"  # 1.53 (15 rounds) when written
