@@ -63,16 +63,12 @@ def test_the_packaged_dustin_config_belongs_to_the_packaged_pair(pair) -> None:
     assert 0 <= config.m <= config.budget - config.n_sink - config.n_recent
 
 
-def test_the_packaged_longspark_is_small_recorded_and_useful(pair) -> None:
-    """The LongSpark drafter for the default model: its own weights under 8 MB, its record, and on a validation-split
-    book greedy LongSpark decoding equals vanilla token for token while accepting drafts (tau > 1.2; the H200 test
-    split measured 1.33-1.87, benchmarks/results/longspark)."""
-    from trtllm_dustin.attention import get_backend
-    from trtllm_dustin.data import as_encoder, split_documents
-    from trtllm_dustin.kv_cache import KVCache
+def test_the_packaged_longspark_is_small_recorded_and_loads_for_its_target(pair) -> None:
+    """The LongSpark drafter for the default model: its own weights under 8 MB, its record (trained within 20
+    minutes), and it loads for the default target and refuses another. Its tau on the real pair was measured on the
+    H200 (benchmarks/results/longspark); its decoding equals vanilla in test_speculative / test_longspark."""
+    from trtllm_dustin.config import ConfigError
     from trtllm_dustin.models.longspark import default_longspark_path, load_longspark
-    from trtllm_dustin.runtime.generation import GenerationConfig
-    from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 
     folder = default_longspark_path()
     assert (folder / "model.safetensors").stat().st_size <= 8e6
@@ -80,17 +76,7 @@ def test_the_packaged_longspark_is_small_recorded_and_useful(pair) -> None:
     for key in ("command", "tokens_file_sha256", "steps_done", "final_loss", "git_sha", "date", "gpu"):
         assert record[key], key
     assert record["seconds"] <= 20 * 60 and (folder / "loss_curve.png").stat().st_size > 0
-    target = pair[0]
-    spark = load_longspark(None, target.model)
-    encode = as_encoder(target.tokenizer)
-    doc = next(d for d in split_documents("validation", ["shakespeare"]) if len(d.text) > 8000)
-    prompt = encode(doc.text)[:300]
-    tokens = {}
-    for method in ("vanilla", "longspark"):
-        decoder = build_decoder(method, MethodSetup(
-            target=target.model, target_cache=KVCache.allocate(target.model.config, 1, 330, torch.float32, "cpu"),
-            backend=get_backend("reference"), longspark=spark))
-        result = decoder.generate([prompt], GenerationConfig(max_new_tokens=24, eos_token_ids=()))
-        tokens[method] = result.tokens
-    assert tokens["longspark"] == tokens["vanilla"]
-    assert result.tau > 1.2, f"tau {result.tau:.2f}"  # 1.53 (15 rounds) when written
+    spark = load_longspark(None, pair[0].model)
+    assert spark.config.target_layers == (3, 9, 15, 22, 29) and spark.target is pair[0].model
+    with pytest.raises(ConfigError, match="trained for another target"):
+        load_longspark(None, load_model("preset:smollm2-135m", seed=0).model)
