@@ -16,7 +16,6 @@ Resumable: `resume.pt` in the output directory (weights, optimiser, step, data o
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +29,9 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig
+from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, window_rows
 from trtllm_dustin.models.rope import apply_rope
+from trtllm_dustin.training.distill import _lr  # warm-up + cosine over steps or the time budget
 
 __all__ = ["LongSparkTrainConfig", "anchor_logits", "anchor_summaries", "step_loss", "target_features",
            "train_longspark"]
@@ -118,19 +118,6 @@ def anchor_summaries(scores: torch.Tensor, values: torch.Tensor, anchors: torch.
     return o.permute(0, 3, 1, 2, 4), lse_prefix[..., last].permute(0, 3, 1, 2)
 
 
-def _windows(keys: torch.Tensor, values: torch.Tensor, anchors: torch.Tensor, window: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows [L - W, L) of keys/values [B, H, T, D] for every anchor -> K, V [B * A, H, W, D], valid [B * A, W]."""
-    B, A = keys.shape[0], anchors.shape[0]
-    positions = anchors[:, None] - window + torch.arange(window, device=anchors.device)  # [A, W]
-    valid = positions >= 0
-    idx = positions.clamp(min=0)
-    k = keys[:, :, idx]  # [B, H, A, W, D]
-    v = values[:, :, idx]
-    flat = lambda x: x.permute(0, 2, 1, 3, 4).reshape(B * A, *x.shape[1:2], window, x.shape[-1])  # noqa: E731
-    return flat(k), flat(v), valid[None].expand(B, -1, -1).reshape(B * A, window)
-
-
 def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
                   capture: dict[int, torch.Tensor] | None = None, feats: dict | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,15 +133,16 @@ def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, a
         final = feats["final"][:, slot_positions]  # [B, A, G, H]
         teacher = target.full_vocab(F.linear(target.norm(final), target.output_weight()).float())
     boundary = torch.stack([feats["hidden"][layer][:, anchors - 1] for layer in cfg.target_layers], dim=2)
+    seq = torch.arange(B, device=tokens.device).repeat_interleave(A)  # block n = (window n // A, anchor n % A)
+    lengths = anchors[None].expand(B, -1).reshape(B * A)
     windows, sum_o, sum_lse = [], [], []
     for j, layer in enumerate(cfg.target_layers):
         k, v = feats["keys"][layer], feats["values"][layer]
-        windows.append(_windows(k, v, anchors, cfg.window))
+        windows.append((window_rows(k, seq, lengths, cfg.window)[0], *window_rows(v, seq, lengths, cfg.window)))
         o, lse = anchor_summaries(model.summary_scores(j, k), v.float(), anchors)  # [B, A, H, R, D], [B, A, H, R]
         sum_o.append(o.reshape(B * A, *o.shape[2:]))
         sum_lse.append(lse.reshape(B * A, *lse.shape[2:]))
     cur = tokens[:, anchors].reshape(B * A)
-    lengths = anchors[None].expand(B, -1).reshape(B * A)
     hidden = model.backbone(cur, lengths, boundary.reshape(B * A, *boundary.shape[2:]), windows,
                             torch.stack(sum_o, dim=1), torch.stack(sum_lse, dim=1), capture)
     previous = tokens[:, slot_positions].reshape(B * A, G)  # slot i's previous token: the true one at L + i
@@ -169,13 +157,6 @@ def step_loss(model: LongSpark, target: Transformer, tokens: torch.Tensor, ancho
     t = F.log_softmax(teacher, dim=-1)
     s = F.log_softmax(student, dim=-1)
     return (t.exp() * (t - s)).sum(-1).mean()
-
-
-def _lr(step: int, cfg: LongSparkTrainConfig, time_fraction: float) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = max((step - cfg.warmup) / max(1, cfg.steps - cfg.warmup), min(1.0, time_fraction))
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSparkTrainConfig,
