@@ -14,8 +14,9 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-                           cache_seqlens: torch.Tensor) -> None:
-    """q [B, T, H_q, D]; k_cache / v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B]."""
+                           cache_seqlens: torch.Tensor, max_tokens: int | None = MAX_QUERY_TOKENS) -> None:
+    """q [B, T, H_q, D]; k_cache / v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B]. max_tokens: the most query
+    tokens per sequence the op takes (None: any, the prefill op)."""
     if q.dim() != 4:
         raise ValueError(f"{op}: q has shape {tuple(q.shape)}; expected 4 dims [B, T, H_q, D]")
     if k_cache.dim() != 4:
@@ -33,9 +34,9 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise ValueError(f"{op}: q head dim {head_dim} differs from k_cache head dim {kd}")
     if head_dim not in _HEAD_DIMS:
         raise ValueError(f"{op}: head dim {head_dim} is not supported; use one of {_HEAD_DIMS}")
-    if not 1 <= t <= MAX_QUERY_TOKENS:
-        raise ValueError(f"{op}: {t} query tokens per sequence; the kernels take 1..{MAX_QUERY_TOKENS}, "
-                         "split the step or verify fewer draft tokens")
+    if t < 1 or (max_tokens is not None and t > max_tokens):
+        raise ValueError(f"{op}: {t} query tokens per sequence; the kernels take 1..{max_tokens}, "
+                         "split the step or verify fewer draft tokens (prompts go to prefill_attention)")
     if heads_q % heads_kv != 0:
         raise ValueError(f"{op}: q has {heads_q} heads, not a multiple of k_cache's {heads_kv} KV heads; "
                          "query head h must use KV head h // (H_q / H_kv)")

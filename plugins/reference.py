@@ -9,6 +9,7 @@ import math
 import torch
 
 __all__ = [
+    "prefill_attention_ref",
     "sparse_verify_attention_ref",
     "srh_score_ref",
     "verify_attention_ref",
@@ -51,6 +52,15 @@ def verify_attention_ref(q, k_cache, v_cache, cache_seqlens, softmax_scale=None,
     out, lse = _masked_attention(q, k_cache, v_cache, allowed, scale)
     out = out.to(q.dtype)
     return (out, lse.float()) if return_lse else out
+
+
+def prefill_attention_ref(q, k_cache, v_cache, cache_seqlens, query_lens=None, softmax_scale=None):
+    """verify_attention_ref for a chunk of any length; rows t >= query_lens[b] (padding) are zeros."""
+    out = verify_attention_ref(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    if query_lens is None:
+        return out
+    real = torch.arange(q.shape[1], device=q.device)[None, :] < query_lens.long()[:, None]  # [B, T]
+    return out * real[:, :, None, None].to(out.dtype)
 
 
 def sparse_verify_attention_ref(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale=None):

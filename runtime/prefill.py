@@ -2,7 +2,7 @@
 
 All prompts start at position 0 and advance together chunk by chunk, so activation memory is bounded
 by the chunk; a shorter prompt's padding writes K/V past its length, which nothing reads and decoding
-overwrites.
+overwrites (the attention backend skips padding rows it is told of: AttentionMetadata.query_lens).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, promp
                     for layer in capture_layers}
     for start in range(0, longest, chunk):
         end = min(start + chunk, longest)
-        meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=end)
+        real = (lens - start).clamp(0, end - start).to(torch.int32)  # [B]: a shorter prompt's chunk is padded
+        meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=end, query_lens=real)
         in_chunk = (lens - 1 - start).clamp(0, end - start - 1)  # [B]: each prompt's last token in this chunk
         capture = None
         if capture_layers or hidden_out:

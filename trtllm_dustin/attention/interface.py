@@ -20,6 +20,9 @@ class AttentionMetadata:
     cache_seqlens: torch.Tensor  # int32 [B]: committed length L_b; the T new tokens sit at L_b .. L_b+T-1
     indices: torch.Tensor | None = None  # int32 [B, K]: sparse verification set I in [0, L_b), -1 = padding
     max_kv_len: int | None = None  # host-known bound on L_b + T (eager prefill only): lets backends read less
+    # int32 [B]: the real new tokens of each sequence in a ragged prefill chunk (rows past them are padding, their
+    # outputs unspecified); None: all T
+    query_lens: torch.Tensor | None = None
 
     @property
     def sparse(self) -> bool:

@@ -1,8 +1,9 @@
-"""Attention backend over the Triton kernels of `trtllm_dustin.plugins` (decode and verification steps).
+"""Attention backend over the Triton kernels of `trtllm_dustin.plugins`.
 
 Steps of up to MAX_KERNEL_TOKENS new tokens per sequence (decode, verification of Γ+1 tokens) run the
-split-KV kernels; longer forwards (prompt prefill) go to the PyTorch reference, which is compute-bound
-there anyway.
+split-KV kernels; longer forwards (prompt chunks) run the flash-style prefill kernel, which skips the
+padding rows of a ragged chunk (`meta.query_lens`). On CPU tensors without Triton's interpreter the
+chunks take the PyTorch reference backend (SDPA, the CPU path).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class TritonAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         if q.shape[1] > MAX_KERNEL_TOKENS:
-            return self._fallback.attend(q, k_cache, v_cache, meta)
+            if meta.sparse or not self._ops.runs_triton(q):
+                return self._fallback.attend(q, k_cache, v_cache, meta)
+            return self._ops.prefill_attention(q, k_cache, v_cache, meta.cache_seqlens, meta.query_lens)
         pdl = self.kernels.pdl
         if meta.sparse:
             return self._ops.sparse_verify_attention(q, k_cache, v_cache, meta.cache_seqlens, meta.indices, pdl=pdl)
