@@ -24,24 +24,33 @@ __all__ = ["prefill_attention", "prefill_attention_forward"]
 
 @triton.jit
 def _attend_block(q, acc, m_i, l_i, k_base, v_base, stride_ks, stride_vs, n0, limit, offs_d, qk_scale_log2,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_MODE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_MODE: tl.constexpr, K_ROWS: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) of the online softmax. MASKED: keys past each row's limit (L_b + t) are
     hidden and not loaded; otherwise every key of the block is visible to every row."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    col_ok = offs_n <= tl.max(limit, 0)
+    if K_ROWS:  # K as [BLOCK_N, D] rows, transposed in registers / shared memory for the dot
+        if MASKED:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
+        kt = tl.trans(k)
+    else:
+        if MASKED:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
     if MASKED:
-        last = tl.max(limit, 0)
-        col_ok = offs_n <= last
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     else:
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
-    scores = tile_dot(q, kt.to(q.dtype), DOT_MODE) * qk_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    scores = tile_dot(q, kt.to(q.dtype), DOT_MODE)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         scores = tl.where(offs_n[None, :] <= limit[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # the softmax scale (log2 units) folded into the max and the exponent: one FMA per score
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
+    p = tl.exp2(scores * qk_scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tile_dot(p.to(q.dtype), v.to(q.dtype), DOT_MODE)
     return acc, m_new, l_i
@@ -56,7 +65,7 @@ def _prefill_attention_kernel(
     stride_ob, stride_ot, stride_oh,
     num_heads, num_m_blocks, T, qk_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_QLENS: tl.constexpr, DOT_MODE: tl.constexpr,
+    HAS_QLENS: tl.constexpr, DOT_MODE: tl.constexpr, K_ROWS: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     # The last query blocks see the most keys: they go first, so the short ones fill the tail of the launch.
     m_block = num_m_blocks - 1 - tl.program_id(0)
@@ -91,20 +100,21 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Keys [0, full_end) are visible to every row of the block: L_b + m0 is the first row's last key.
     full_end = ((seqlen + m0 + 1) // BLOCK_N) * BLOCK_N
-    for n0 in tl.range(0, full_end, BLOCK_N):
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, stride_ks, stride_vs, n0, limit, offs_d,
-                                      qk_scale_log2, BLOCK_N, False, DOT_MODE)
+                                      qk_scale_log2, BLOCK_N, False, DOT_MODE, K_ROWS)
     end = seqlen + tl.minimum(m0 + BLOCK_M, q_len)  # one past the last real row's last key
     for n0 in tl.range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, stride_ks, stride_vs, n0, limit, offs_d,
-                                      qk_scale_log2, BLOCK_N, True, DOT_MODE)
+                                      qk_scale_log2, BLOCK_N, True, DOT_MODE, K_ROWS)
     o = acc / l_i[:, None]
     o = tl.where(row_ok[:, None], o, 0.0)
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
 def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, softmax_scale, out, *,
-                              block_m=None, block_n=None, num_warps=None, num_stages=None):
+                              block_m=None, block_n=None, num_warps=None, num_stages=None, k_rows=False,
+                              warp_spec=False):
     """Launch the prefill attention kernel (inputs already validated).
 
     Launch contract:
@@ -125,7 +135,7 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
     if block_m is None:  # 128-row wgmma tiles on the GPU; the interpreter's cost is per element, small tiles do
         block_m = 128 if q.is_cuda else 16
     if block_n is None:
-        block_n = (128 if head_dim <= 64 else 64) if q.is_cuda else 16
+        block_n = 128 if q.is_cuda else 16
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
@@ -140,7 +150,7 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
         out.stride(0), out.stride(1), out.stride(2),
         heads_q, num_m_blocks, t, softmax_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_QLENS=query_lens is not None, DOT_MODE=dot_mode(q.dtype),
+        HAS_QLENS=query_lens is not None, DOT_MODE=dot_mode(q.dtype), K_ROWS=k_rows, WARP_SPEC=warp_spec,
         num_warps=num_warps, num_stages=num_stages,
     )
 
