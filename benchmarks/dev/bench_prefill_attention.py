@@ -26,11 +26,8 @@ from common import environment, save_json, time_cuda  # noqa: E402
 from trtllm_dustin.plugins.prefill_attention import prefill_attention_forward  # noqa: E402
 
 SHAPES = {"llama-8b": (32, 8, 128), "qwen-7b": (28, 4, 128)}  # H_q, H_kv, D
-# (block_m, block_n, num_warps, num_stages, k_rows, warp_spec); run 1 (4da048e): 128 x 128, 8 warps, 3 stages best
-GRID = [(128, 128, 8, 3, False, False), (128, 128, 8, 3, True, False), (128, 64, 8, 3, True, False),
-        (128, 128, 8, 4, True, False), (128, 128, 8, 3, False, True), (128, 128, 8, 3, True, True),
-        (128, 64, 4, 3, True, True), (128, 128, 4, 3, True, True), (256, 64, 8, 3, True, False),
-        (256, 128, 8, 2, True, False)]
+# (block_m, block_n, num_warps, num_stages); runs 1-2 and the variants tried: benchmarks/dev/README.md
+GRID = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (256, 64, 8, 3)]
 
 
 def causal_pairs(n: int) -> int:
@@ -76,12 +73,11 @@ def bench_context(shape: str, n: int, args: argparse.Namespace) -> dict:
     print(f"{shape} N={n} B={B}: flash SDPA {sdpa:.2f} ms ({flops / sdpa / 1e9:.0f} TFLOP/s)")
     out = torch.empty_like(q)
 
-    def run(chunk, bm, bn, warps, stages, k_rows, warp_spec):
+    def run(chunk, bm, bn, warps, stages):
         for s in range(0, n, chunk):
             seq = torch.full((B,), s, dtype=torch.int32, device=device)
             prefill_attention_forward(q[:, s:s + chunk], k, v, seq, None, d ** -0.5, out[:, s:s + chunk],
-                                      block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, k_rows=k_rows,
-                                      warp_spec=warp_spec)
+                                      block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
     for chunk in (int(c) for c in args.chunks.split(",")):
         if chunk > n:
