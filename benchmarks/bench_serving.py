@@ -11,6 +11,14 @@ CPU, tiny presets (what CI machines can run):
 H200 (SmolLM2 + the trained draft, prompts from the test split, final report only):
     python benchmarks/bench_serving.py --draft DRAFT --dustin-config CFG --device cuda --prompts test \
         --prompt-tokens 4096 --max-tokens 256 --clients 16 --duration 120
+
+--mixed-load (in process, no server: the serving engine's own scheduler, what chunked prefill changes): `--clients`
+- 1 background clients decode (`--prompt-tokens`, `--max-tokens`, back to back) while one client sends long prompts
+(`--long-prompts` tokens, cycled, `--long-max-tokens` each) one after another; TTFT of the long requests and the
+background clients' inter-token latency, p50 / p99, once per `--prefill-chunks` value (a chunk at least as long as
+the longest prompt is the whole prompt at admission: no chunking):
+    python benchmarks/bench_serving.py --mixed-load --model preset:llama-3.1-8b --device cuda --clients 16 \
+        --prompt-tokens 1024 --max-tokens 512 --long-prompts 8192,16384,32768 --prefill-chunks 2048,8192,32768
 """
 
 from __future__ import annotations
@@ -162,6 +170,82 @@ def run_method(url: str, model: str, method: str, args: argparse.Namespace, text
             "mean_accepted_length": statistics.fmean(taus) if taus else None}
 
 
+def mixed_load(args: argparse.Namespace, chunk: int) -> dict:
+    """The serving engine in process at one prefill chunk: background decoders plus one client of long prompts."""
+    from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
+
+    longs = [int(n) for n in args.long_prompts.split(",")]
+    rng = np.random.default_rng(0)
+    config = ServingConfig(model=args.model, methods=tuple(args.methods[:1]), max_batch=args.clients,
+                           max_seq_len=max(longs) + max(args.long_max_tokens, args.max_tokens) + 16,
+                           queue_size=4 * args.clients, device=args.device, prefill_chunk=chunk)
+    engine = ServingEngine.from_config(config)
+    vocab = engine.vocab_size or 256
+    record = {"ttft_ms": {n: [] for n in longs}, "itl_ms": [], "background_tokens": 0}
+    lock = threading.Lock()
+
+    def run(ids: list[int], max_tokens: int, on_piece) -> None:
+        """One streaming request, blocking until its final piece; on_piece(at, generated, stats) per piece."""
+        done = threading.Event()
+
+        def on_chunk(piece) -> None:
+            on_piece(time.perf_counter(), piece.stats.generated_tokens, piece)
+            if piece.final:
+                done.set()
+
+        engine.submit(GenerationRequest(text="", max_tokens=max_tokens, stream=True, input_ids=tuple(ids)), on_chunk)
+        done.wait(600)
+
+    def background(deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            state = {"last": None, "count": 0}
+
+            def on_piece(at, generated, piece, state=state) -> None:
+                if state["last"] is not None and generated > state["count"]:
+                    with lock:
+                        record["itl_ms"] += [(at - state["last"]) * 1e3 / (generated - state["count"])] * \
+                            (generated - state["count"])
+                state["last"], state["count"] = at, generated
+
+            run(rng.integers(2, vocab, args.prompt_tokens).tolist(), args.max_tokens, on_piece)
+            with lock:
+                record["background_tokens"] += state["count"]
+
+    def long_client(deadline: float, warm: bool = False) -> None:
+        i = 0
+        while time.perf_counter() < deadline or warm:
+            n = longs[i % len(longs)]
+            i += 1
+            sent, first = time.perf_counter(), []
+            run(rng.integers(2, vocab, n).tolist(), args.long_max_tokens,
+                lambda at, generated, piece, first=first: first.append(at) if not first else None)
+            if warm:  # the first long prompt compiles the prefill kernels: excluded
+                return
+            with lock:
+                record["ttft_ms"][n].append((first[0] - sent) * 1e3)
+
+    long_client(0.0, warm=True)
+    deadline = time.perf_counter() + args.duration
+    threads = [threading.Thread(target=background, args=(deadline,)) for _ in range(args.clients - 1)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # the background requests are decoding before the first long prompt arrives
+    long_client(deadline)
+    for t in threads:
+        t.join(600)
+    engine.close()
+    result = {"prefill_chunk": chunk, "method": config.method, "clients": args.clients,
+              "long_ttft_ms": {str(n): percentiles(v) | {"count": len(v)} for n, v in record["ttft_ms"].items()},
+              "background_inter_token_ms": percentiles(record["itl_ms"]),
+              "background_tokens_per_s": record["background_tokens"] / args.duration}
+    ttft = ", ".join(f"{n}: p50 {r.get('p50', float('nan')):.0f} p99 {r.get('p99', float('nan')):.0f}"
+                     for n, r in result["long_ttft_ms"].items())
+    itl = result["background_inter_token_ms"]
+    print(f"chunk {chunk}: long-prompt TTFT ms ({ttft}); background ITL p50 {itl.get('p50', float('nan')):.1f} "
+          f"p99 {itl.get('p99', float('nan')):.1f} ms, {result['background_tokens_per_s']:.0f} tokens/s", flush=True)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -184,7 +268,20 @@ def main() -> None:
                    help="send prompts as input_ids (INT32) and run one server per method, so that no request holds "
                         "a BYTES input (for Python-backend stubs that mis-read them; docs/serving.md)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--mixed-load", action="store_true", help="in process: background decoders + long prompts "
+                   "(the docstring says how), the first of --methods")
+    p.add_argument("--long-prompts", default="8192,16384,32768", help="--mixed-load: long prompt lengths, cycled")
+    p.add_argument("--long-max-tokens", type=int, default=16, help="--mixed-load: tokens per long request")
+    p.add_argument("--prefill-chunks", default="2048,8192,32768", help="--mixed-load: prefill chunk sizes compared")
     args = p.parse_args()
+    if args.mixed_load:
+        results = [mixed_load(args, int(c)) for c in args.prefill_chunks.split(",")]
+        device = "h200" if args.device.startswith("cuda") else "cpu"
+        save_json(args.out or RESULTS / "prefill" / f"serving_mixed_{device}.json",
+                  {**environment(), "model": args.model, "prompt_tokens": args.prompt_tokens,
+                   "max_tokens": args.max_tokens, "long_prompts": args.long_prompts,
+                   "long_max_tokens": args.long_max_tokens, "duration_s": args.duration, "results": results})
+        return
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else (
         TINY_DUSTIN if args.dustin_placeholder else None)
     texts = prompt_ids(args, max(args.clients, 8)) if args.token_ids else prompts(args, max(args.clients, 8))

@@ -128,14 +128,16 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
     # The chosen launch (H200, Llama-3.1-8B heads, 32K in 8K chunks, benchmarks/dev/README.md): 128 x 128 tiles,
     # 8 warps, 3 stages, 16.95 ms per layer against 13.50 for causal flash SDPA without a cache. Small tiles in the
     # interpreter, whose cost is per element.
+    # fp32 (the tests' dtype) takes 64 x 32 tiles in 2 stages: 128 x 128 fp32 tiles exceed the shared memory.
+    wide = q.element_size() <= 2
     if block_m is None:
-        block_m = 128 if q.is_cuda else 16
+        block_m = (128 if wide else 64) if q.is_cuda else 16
     if block_n is None:
-        block_n = 128 if q.is_cuda else 16
+        block_n = (128 if wide else 32) if q.is_cuda else 16
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
-        num_stages = 3
+        num_stages = 3 if wide else 2
     num_m_blocks = triton.cdiv(t, block_m)
     qlens = query_lens if query_lens is not None else cache_seqlens  # unused without HAS_QLENS
     _prefill_attention_kernel[(num_m_blocks, batch * heads_q)](

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -31,12 +32,12 @@ from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_request
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
-from trtllm_dustin.runtime.prefill import prefill, slot_range
+from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for, slot_range
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, Progress, RoundState
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "SlotPrefill"]
 
 
 class Decoder:
@@ -75,14 +76,15 @@ class Decoder:
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int = 2048) -> torch.Tensor:
         """Write the prompts into both caches at slots [start, stop), run the per-slot hooks, and return the
         target's logits of each prompt's next token [n, V] (ids outside the shared vocabulary masked)."""
-        n, dtype = len(prompts), self.target.embed.weight.dtype
-        hidden = {layer: torch.zeros(n, self.target.config.hidden_size, dtype=dtype, device=self.device)
-                  for layer in self.target_hidden_layers}
-        logits, queries = prefill(self.target, slot_range(self.cache, slots), self.backend, prompts, chunk,
-                                  self.target_query_layers, hidden_out=hidden)
-        self.drafter.prefill(slots, prompts, chunk)
-        self.prefilled(slots, prompts, queries, hidden)
-        return self.shared_logits(logits)
+        job = self.start_prefill(slots, prompts, chunk)
+        while not job.step():
+            pass
+        return job.logits
+
+    def start_prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int = 2048) -> SlotPrefill:
+        """`prefill` one chunk at a time: the in-flight batcher runs decode rounds of the other slots between the
+        chunks (the slots wait parked, runtime/prefill.py)."""
+        return SlotPrefill(self, slots, prompts, chunk)
 
     @torch.inference_mode()
     def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor],
@@ -172,15 +174,25 @@ class Decoder:
         return logits
 
     @torch.inference_mode()
-    def capture(self, greedy: bool = True) -> None:
+    def capture(self, greedy: bool = True, progress: Progress | None = None) -> None:
         """JIT and capture every phase before timing starts. Their side effects (K/V at positions past the committed
         length, drafted tokens, scores, the set) are all rewritten by the next real round before being read; no
-        randomness is drawn."""
+        randomness is drawn. With `progress` (and greedy rounds) the eager kernels of acceptance and commit compile
+        here too, on copies of the state: the first timed round would otherwise pay their JIT (about 0.3 s on the
+        H200 in a fresh process, a tenth of a second per round over a short run)."""
         if not self.graphs.enabled:
             return
         proposal = self.drafter.capture(self.state, greedy)
         indices = self._select(self._untimed)
-        self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))
+        logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))
+        if progress is None or not greedy:
+            return
+        verdict = self._greedy.accept(proposal, logits, progress, None)  # a pure function of its inputs
+        scratch = replace(progress, **{f.name: getattr(progress, f.name).clone() for f in fields(progress)})
+        state, use_kernel = self.state, self.kernels.round_kernels
+        commit_round(proposal.tokens.clone(), self.verify_tokens.clone(), verdict.accepted, verdict.next_tokens,
+                     scratch.eos, scratch.limits, scratch.out, scratch.active, scratch.generated, scratch.hist,
+                     state.prev.clone(), state.cur.clone(), state.lengths.clone(), use_kernel=use_kernel)
 
     # ---- a static batch ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -198,25 +210,101 @@ class Decoder:
         _sync(device)
         t0 = time.perf_counter()
         self.state.idle(slice(None))
-        logits = self.prefill(slice(0, B), prompts, config.prefill_chunk)
+        logits = self.prefill(slice(0, B), prompts, config.prefill_chunk or prefill_chunk_for(B))
         first = SlotSampling.batch(config.sampling, B, device, seed=config.sampling.seed + 1,
                                    use_kernel=use_kernel).pick(logits)
         self.begin(progress, slice(0, B), first, prompts, config.max_new_tokens)
-        self.capture(sampling.all_greedy)  # one-time cost, kept out of the decode time
+        _sync(device)
+        t_first = time.perf_counter()  # every sequence has its first token: the time to first token
+        self.capture(sampling.all_greedy, progress)  # one-time cost, kept out of both times
         _sync(device)
         t1 = time.perf_counter()
 
+        clock = _RoundClock(device)
+        decoding = torch.zeros((), dtype=torch.long, device=device)  # rounds that began with a sequence active
         rounds = 0
         if bool(progress.active.any()):
             for rounds in range(1, config.max_new_tokens + 1):  # every round commits >= 1 token per active slot
+                decoding += progress.active.any()  # on the device: no sync
                 self.round(progress, sampling, timer=timer)
+                clock.tick()
                 # The one host sync of the loop, every sync_every rounds: stop once every sequence has finished.
                 if rounds % config.sync_every == 0 and not bool(progress.active.any()):
                     break
         _sync(device)
         t2 = time.perf_counter()
-        return GenerationResult(tokens=progress.tokens(B), prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3,
-                                rounds=rounds, committed_hist=progress.hist.tolist(), phase_ms=timer.totals_ms())
+        round_ms = clock.elapsed_ms()
+        decoding_rounds = int(decoding)  # a slot never restarts within a run: the decoding rounds come first
+        return GenerationResult(tokens=progress.tokens(B), prefill_ms=(t_first - t0) * 1e3,
+                                setup_ms=(t1 - t_first) * 1e3, decode_ms=(t2 - t1) * 1e3,
+                                rounds=rounds, decoding_rounds=decoding_rounds,
+                                decoding_ms=round_ms[decoding_rounds - 1] if decoding_rounds else 0.0,
+                                round_ms=round_ms, committed_hist=progress.hist.tolist(), phase_ms=timer.totals_ms())
+
+
+class _RoundClock:
+    """When each round ended, from the start of the decode: a CUDA event per round on the GPU (read after the final
+    sync, so the loop keeps its one host sync), the host clock on the CPU (whose ops run synchronously)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[float | torch.cuda.Event] = []
+        self.start = self._mark()
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def tick(self) -> None:
+        self.marks.append(self._mark())
+
+    def elapsed_ms(self) -> list[float]:
+        """Milliseconds from the start to the end of each round (call after a device sync)."""
+        if self.cuda:
+            return [self.start.elapsed_time(mark) for mark in self.marks]
+        return [(mark - self.start) * 1e3 for mark in self.marks]
+
+
+class SlotPrefill:
+    """A Decoder's prefill of some slots in progress: each `step()` writes the next chunk into the target's cache and
+    the drafter's own; after the last one the slots' lengths are set, the hooks have run and `logits` holds the
+    target's next-token logits [n, V] (ids outside the shared vocabulary masked)."""
+
+    def __init__(self, decoder: Decoder, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
+        self.decoder, self.slots, self.prompts = decoder, slots, prompts
+        n, dtype, device = len(prompts), decoder.target.embed.weight.dtype, decoder.device
+        self.hidden = {layer: torch.zeros(n, decoder.target.config.hidden_size, dtype=dtype, device=device)
+                       for layer in decoder.target_hidden_layers}
+        self.target = PrefillJob(decoder.target, slot_range(decoder.cache, slots), decoder.backend, prompts, chunk,
+                                 decoder.target_query_layers, hidden_out=self.hidden)
+        self.draft = decoder.drafter.prefill(slots, prompts, chunk)  # None: the drafter keeps no cache
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> int:
+        """Prompt tokens written so far (every prompt of the job advances together)."""
+        return self.target.done
+
+    @property
+    def finished(self) -> bool:
+        return self.logits is not None
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """The next chunk in both caches; True once the prompts are complete and the slots ready to begin."""
+        if self.finished:
+            raise RuntimeError("this prefill has no chunk left")
+        complete = self.target.step()
+        if self.draft is not None and not self.draft.finished:
+            self.draft.step()  # the same chunk boundaries as the target's
+        if complete:
+            logits, queries = self.target.last_logits, self.target.last_queries
+            self.decoder.prefilled(self.slots, self.prompts, queries, self.hidden)
+            self.logits = self.decoder.shared_logits(logits)
+        return complete
 
 
 def _sync(device: torch.device) -> None:

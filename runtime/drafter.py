@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from trtllm_dustin.runtime.prefill import PrefillJob
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.state import Observation, RoundState
 
@@ -59,8 +60,9 @@ class Drafter(Protocol):
     target_query_layers: tuple[int, ...]  # target layers whose queries it reads (PrefillView, Observation)
     target_hidden_layers: tuple[int, ...]  # target layers whose hidden states it reads (PrefillView, Observation)
 
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
-        """Write the prompts into the drafter's own cache for slots [start, stop)."""
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> PrefillJob | None:
+        """The job that writes the prompts into the drafter's own cache for slots [start, stop), chunk by chunk
+        (None: it has no cache of its own); the decoder advances it beside the target's."""
 
     def on_prefill(self, view: PrefillView) -> None:
         """Prompt-time state of newly admitted slots (after both prefills)."""

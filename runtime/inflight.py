@@ -1,8 +1,14 @@
 """In-flight batching: requests join and leave a Decoder's batch slots between rounds.
 
-    admit(request) -> slot     prefill one slot (and its drafter / selector hooks), sample its first token
-    step()                     one Decoder.round for every slot
+    admit(request) -> slot     take a free slot; a prompt of at most `prefill_chunk` tokens is prefilled at once (its
+                               first token comes back), a longer one chunk by chunk inside the next steps
+    step()                     the next prefill chunk of one admitted prompt (if any), then one Decoder.round for
+                               every slot; a prompt whose last chunk ran begins and streams its first token
     release(slot)              the slot runs along idle until the next admission
+
+Chunked admission: a long prompt costs the running requests one chunk per step, not its whole prefill, so none of
+them stalls for longer than one chunk (time to first token of the others and inter-token latency stay bounded). The
+admitted slot waits parked between its chunks (runtime/prefill.py), outside the round's commits.
 
 The round is the decoder's own, the one `generate()` runs. Every slot carries its own sampling parameters, token
 limit and random generator (per-slot SlotSampling), so a request's tokens are those of `decoder.generate([prompt])`
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trtllm_dustin.runtime.decoder import Decoder
+from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -47,12 +53,15 @@ class SlotUpdate:
     tokens: list[int]  # newly committed ids, in order (EOS included when emitted)
     finished: bool  # EOS or the slot's own token limit reached; release the slot
     accepted: int = 0  # draft tokens accepted this round (speculative methods)
+    first: bool = False  # the request's first token (from its prefill): its time to first token
 
 
 @dataclass
 class _Slot:
     request: SlotRequest
     generator: torch.Generator | None  # this request's round randomness (seed), None when greedy
+    prefill: SlotPrefill | None = None  # the prompt's chunks still to write (None: the slot is decoding)
+    order: int = 0  # admission number
 
 
 class InflightBatcher:
@@ -65,7 +74,8 @@ class InflightBatcher:
         slots = self.cache.batch_slots
         self._slots: list[_Slot | None] = [None] * slots
         self.progress = Progress.allocate(slots, self.cache.max_seq_len, decoder.gamma, eos_token_ids, self.device)
-        self._sampling: SlotSampling | None = None  # rebuilt when a slot is admitted or released
+        self._sampling: SlotSampling | None = None  # rebuilt when a slot begins or is released
+        self._admitted = 0  # admissions so far: chunked prefills run oldest first
         with torch.inference_mode():
             decoder.state.idle(slice(None))
 
@@ -85,32 +95,52 @@ class InflightBatcher:
     def busy(self) -> bool:
         return any(s is not None for s in self._slots)
 
+    @property
+    def prefilling(self) -> list[int]:
+        """Slots admitted whose prompts are still being written, in admission order."""
+        return sorted((i for i, s in enumerate(self._slots) if s is not None and s.prefill is not None),
+                      key=lambda i: self._slots[i].order)
+
     def check(self, request: SlotRequest) -> None:
         """Raise ValueError (with the limit and the fix) when the request can never run in these caches."""
         check_request([request.prompt], self.cache, request.max_new_tokens, lookahead=self.gamma)
 
     @torch.inference_mode()
-    def admit(self, request: SlotRequest) -> tuple[int, SlotUpdate]:
-        """Prefill a free slot with the request; return the slot and its first token (from the prefill logits)."""
+    def admit(self, request: SlotRequest) -> tuple[int, SlotUpdate | None]:
+        """Take a free slot for the request. A prompt of at most `prefill_chunk` tokens is prefilled now and its first
+        token returned; a longer one returns None and is prefilled one chunk per `step()`, whose update then carries
+        its first token (`SlotUpdate.first`)."""
         self.check(request)
         if None not in self._slots:
             raise RuntimeError("no free batch slot; admit only when free_slots > 0")
         slot = self._slots.index(None)
-        slots, prompt, sampling = slice(slot, slot + 1), [list(request.prompt)], request.sampling
-        logits = self.decoder.prefill(slots, prompt, self.prefill_chunk)  # [1, V]
+        job = self.decoder.start_prefill(slice(slot, slot + 1), [list(request.prompt)], self.prefill_chunk)
+        generator = None if request.sampling.greedy else \
+            torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+        self._admitted += 1
+        self._slots[slot] = _Slot(request, generator, job, self._admitted)
+        if len(request.prompt) > self.prefill_chunk:
+            return slot, None
+        job.step()
+        return slot, self._begin(slot)
+
+    def _begin(self, slot: int) -> SlotUpdate:
+        """A slot whose prefill finished starts generating: its first token from the prefill logits."""
+        entry = self._slots[slot]
+        request, logits = entry.request, entry.prefill.logits  # [1, V]
+        entry.prefill = None
         # As generate(): the first token from seed + 1, the rounds from seed.
-        first = SlotSampling.batch(sampling, 1, self.device, seed=sampling.seed + 1,
+        first = SlotSampling.batch(request.sampling, 1, self.device, seed=request.sampling.seed + 1,
                                    use_kernel=self.decoder.kernels.round_kernels).pick(logits)
-        self.decoder.begin(self.progress, slots, first, prompt, request.max_new_tokens)
-        generator = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
-        self._slots[slot] = _Slot(request, generator)
+        slots = slice(slot, slot + 1)
+        self.decoder.begin(self.progress, slots, first, [list(request.prompt)], request.max_new_tokens)
         self._sampling = None
-        # The one host sync of admission: the first token is streamed now (time to first token).
+        # The one host sync of a slot's start: its first token is streamed now (time to first token).
         token, active = int(first[0]), bool(self.progress.active[slot])
-        return slot, SlotUpdate(slot, [token], finished=not active)
+        return SlotUpdate(slot, [token], finished=not active, first=True)
 
     def release(self, slot: int) -> None:
-        """Free a slot (finished or cancelled); it runs along idle until the next admission."""
+        """Free a slot (finished, cancelled, or still prefilling); it runs along idle until the next admission."""
         if self._slots[slot] is None:
             raise ValueError(f"slot {slot} is not in use")
         self._slots[slot] = None
@@ -119,14 +149,25 @@ class InflightBatcher:
 
     def _slot_sampling(self) -> SlotSampling:
         if self._sampling is None:
-            self._sampling = SlotSampling([s.request.sampling if s else None for s in self._slots],
-                                          [s.generator if s else None for s in self._slots], self.device,
+            decoding = [s if s is not None and s.prefill is None else None for s in self._slots]
+            self._sampling = SlotSampling([s.request.sampling if s else None for s in decoding],
+                                          [s.generator if s else None for s in decoding], self.device,
                                           self.decoder.kernels.round_kernels)
         return self._sampling
 
     @torch.inference_mode()
     def step(self) -> list[SlotUpdate]:
-        """Advance every active slot by one round; return what each active slot committed."""
+        """The oldest chunked admission's next chunk, then one round for every decoding slot; return the first token
+        of a slot whose prefill completed and what each decoding slot committed."""
+        updates = []
+        waiting = self.prefilling
+        if waiting:
+            slot = waiting[0]
+            if self._slots[slot].prefill.step():
+                updates.append(self._begin(slot))
+        decoding = [i for i, s in enumerate(self._slots) if s is not None and s.prefill is None]
+        if not decoding or (updates and decoding == [updates[0].slot] and updates[0].finished):
+            return updates
         progress = self.progress
         before = progress.generated.clone()
         was_active = progress.active.clone()
@@ -137,9 +178,8 @@ class InflightBatcher:
         count = torch.where(was_active, progress.generated - before, 0)
         rows = torch.cat([new, count[:, None], verdict.accepted[:, None], was_active[:, None].long(),
                           progress.active[:, None].long()], dim=1).tolist()
-        updates = []
-        for i, slot in enumerate(self._slots):  # the one host sync of the step (above)
+        for i in decoding:  # the one host sync of the step (above)
             *tokens, n, accepted, took_part, active = rows[i]
-            if slot is not None and took_part:
+            if took_part:
                 updates.append(SlotUpdate(i, tokens[:n], finished=not active, accepted=accepted))
         return updates

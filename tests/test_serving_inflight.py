@@ -62,9 +62,11 @@ def _serve(batcher: InflightBatcher, requests: list[SlotRequest]) -> dict[int, l
             while waiting and batcher.free_slots:
                 k, request = waiting.pop(0)
                 slot, update = batcher.admit(request)
-                owner[slot], got[k] = k, list(update.tokens)
-                if update.finished:
-                    batcher.release(slot)
+                owner[slot], got[k] = k, []
+                if update is not None:  # one prefill chunk: the first token now (longer prompts: from step())
+                    got[k] += update.tokens
+                    if update.finished:
+                        batcher.release(slot)
             if not waiting and not batcher.busy:
                 break
             for update in batcher.step():
@@ -126,6 +128,53 @@ def test_sampled_requests_with_a_draft_of_a_smaller_padded_vocabulary(tmp_path: 
             assert max(got[k]) < 200
             want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, 1.0, 0.95, k, draft=small)
             assert "".join(map(chr, got[k])) == want, f"{method} request {k}"
+
+
+@pytest.mark.parametrize("method", ["vanilla", "classic", "dustin-h", "longspark"])
+def test_long_prompt_is_prefilled_between_the_rounds_of_the_others(method: str) -> None:
+    """A prompt of 4 prefill chunks admitted while another request decodes: one chunk per step, the running request
+    commits tokens in every one of those steps (it never waits for the whole prefill), and both get exactly what
+    generate() gives each alone. A request cancelled while it prefills frees its slot for the next one."""
+    batcher = _batcher(method, slots=2)
+    running = SlotRequest([ord(c) for c in prompt_text(0, 10)], 29)
+    long = SlotRequest([ord(c) for c in prompt_text(1, 60)], 12)
+
+    def drain(got: dict[int, list[int]]) -> None:
+        while batcher.busy:
+            for u in batcher.step():
+                got[u.slot] += u.tokens
+                if u.finished:
+                    batcher.release(u.slot)
+
+    with reference_kernels():
+        slot_a, update = batcher.admit(running)
+        got = {slot_a: list(update.tokens)}
+        slot_b, update = batcher.admit(long)
+        assert update is None and batcher.prefilling == [slot_b]
+        got[slot_b] = []
+        steps = 0
+        while not got[slot_b]:
+            steps += 1
+            a_done = len(got[slot_a]) >= running.max_new_tokens or got[slot_a][-1] in EOS
+            updates = batcher.step()
+            assert a_done or any(u.slot == slot_a and u.tokens for u in updates), f"step {steps}: slot a stalled"
+            for u in updates:
+                assert u.first == (u.slot == slot_b and not got[slot_b])
+                got[u.slot] += u.tokens
+                if u.finished:
+                    batcher.release(u.slot)
+        assert steps == 4  # 60 tokens in chunks of 16
+        drain(got)
+        cancelled, update = batcher.admit(long)
+        assert update is None
+        batcher.step()
+        batcher.release(cancelled)  # mid-prefill
+        again, _ = batcher.admit(long)
+        retry = {again: []}
+        drain(retry)
+    for slot, r in ((slot_a, running), (slot_b, long)):
+        assert "".join(map(chr, got[slot])) == direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens)
+    assert retry[again] == got[slot_b]
 
 
 def test_admission_refuses_what_cannot_fit() -> None:

@@ -72,7 +72,7 @@ class LongSparkDrafter:
         return sum(t.numel() * t.element_size() for t in (self.summary_o, self.summary_lse, self.boundary))
 
     # ---- what the round calls ----------------------------------------------------------------------------
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:  # no job
         """No cache of its own: it reads the target's."""
 
     @torch.inference_mode()

@@ -22,7 +22,7 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView, Proposal
-from trtllm_dustin.runtime.prefill import prefill, slot_range
+from trtllm_dustin.runtime.prefill import PrefillJob, slot_range
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.state import Observation, RoundState
 
@@ -67,8 +67,8 @@ class ModelDrafter:
                       for step in range(gamma)]
 
     # ---- what the round calls ----------------------------------------------------------------------------
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
-        prefill(self.model, slot_range(self.cache, slots), self.backend, prompts, chunk)
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> PrefillJob:
+        return PrefillJob(self.model, slot_range(self.cache, slots), self.backend, prompts, chunk)
 
     def on_prefill(self, view: PrefillView) -> None:
         self.view.on_prefill(view)

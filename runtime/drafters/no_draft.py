@@ -24,7 +24,7 @@ class NoDraft:
         self.tokens = torch.zeros(slots, 0, dtype=torch.long, device=device)
         self.probs = torch.zeros(slots, 0, vocab_size, dtype=torch.float32, device=device)
 
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:  # no job
         """Nothing to prefill."""
 
     def on_prefill(self, view: PrefillView) -> None:

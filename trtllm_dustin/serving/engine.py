@@ -268,9 +268,8 @@ class ServingEngine:
             return
         job.slot = slot
         self._running[(job.method, slot)] = job
-        job.first_token = time.perf_counter()
-        job.stats.time_to_first_token_ms = (job.first_token - job.submitted) * 1e3
-        self._deliver(job, update, first=True)
+        if update is not None:  # a prompt of one prefill chunk: its first token is here (longer ones: from step())
+            self._deliver(job, update)
 
     def _fail_running(self, method: str, error: Exception) -> None:
         for key in [k for k in self._running if k[0] == method]:
@@ -278,10 +277,13 @@ class ServingEngine:
             self.batchers[method].release(job.slot)
             _send(job, ResponseChunk("", True, job.stats, error=f"generation failed: {type(error).__name__}: {error}"))
 
-    def _deliver(self, job: _Job, update: SlotUpdate, first: bool = False) -> None:
+    def _deliver(self, job: _Job, update: SlotUpdate) -> None:
         stats = job.stats
+        if update.first:
+            job.first_token = time.perf_counter()
+            stats.time_to_first_token_ms = (job.first_token - job.submitted) * 1e3
         stats.generated_tokens += len(update.tokens)
-        if not first:
+        if not update.first:
             stats.rounds += 1
             stats.accepted_draft_tokens += update.accepted
             stats.draft_tokens += self.batchers[job.method].gamma
