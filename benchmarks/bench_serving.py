@@ -24,6 +24,7 @@ the longest prompt is the whole prompt at admission: no chunking):
 from __future__ import annotations
 
 import argparse
+import gc
 import queue
 import statistics
 import tempfile
@@ -234,6 +235,12 @@ def mixed_load(args: argparse.Namespace, chunk: int) -> dict:
     for t in threads:
         t.join(600)
     engine.close()
+    engine = None  # the next chunk's engine loads its own weights and caches: free these first
+    gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
     result = {"prefill_chunk": chunk, "method": config.method, "clients": args.clients,
               "long_ttft_ms": {str(n): percentiles(v) | {"count": len(v)} for n, v in record["ttft_ms"].items()},
               "background_inter_token_ms": percentiles(record["itl_ms"]),
@@ -275,12 +282,14 @@ def main() -> None:
     p.add_argument("--prefill-chunks", default="2048,8192,32768", help="--mixed-load: prefill chunk sizes compared")
     args = p.parse_args()
     if args.mixed_load:
-        results = [mixed_load(args, int(c)) for c in args.prefill_chunks.split(",")]
         device = "h200" if args.device.startswith("cuda") else "cpu"
-        save_json(args.out or RESULTS / "prefill" / f"serving_mixed_{device}.json",
-                  {**environment(), "model": args.model, "prompt_tokens": args.prompt_tokens,
-                   "max_tokens": args.max_tokens, "long_prompts": args.long_prompts,
-                   "long_max_tokens": args.long_max_tokens, "duration_s": args.duration, "results": results})
+        results = []
+        for chunk in args.prefill_chunks.split(","):  # saved after each, so a later failure keeps the earlier ones
+            results.append(mixed_load(args, int(chunk)))
+            save_json(args.out or RESULTS / "prefill" / f"serving_mixed_{device}.json",
+                      {**environment(), "model": args.model, "prompt_tokens": args.prompt_tokens,
+                       "max_tokens": args.max_tokens, "long_prompts": args.long_prompts,
+                       "long_max_tokens": args.long_max_tokens, "duration_s": args.duration, "results": results})
         return
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else (
         TINY_DUSTIN if args.dustin_placeholder else None)
