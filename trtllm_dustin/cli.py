@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the imports themselves wait until a command needs them
     import torch
 
+    from trtllm_dustin.build_engines.engine import OpenedEngine
     from trtllm_dustin.models.decoder import Transformer
     from trtllm_dustin.models.loading import Checkpoint, LoadedModel
 
@@ -94,7 +95,33 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
                      "pair: the packaged one)")
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
+    gen.add_argument("--engine", type=Path, default=None,
+                     help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
+                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config)")
     gen.set_defaults(func=_generate)
+
+    build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
+                           "stages and tuned (docs/engines.md)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    build.add_argument("--out", type=Path, required=True, help="engine directory (must not exist, unless --force)")
+    build.add_argument("--model", default=None, help="target: checkpoint directory, .gguf file or preset:NAME; "
+                       "None: SmolLM2-135M-Instruct")
+    build.add_argument("--draft", default=None, help="draft model (same forms; smollm2-draft: the packaged one); "
+                       "None: no draft")
+    build.add_argument("--longspark", default=None, help="LongSpark drafter directory, smollm2-longspark (packaged) "
+                       "or random; None: none")
+    build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair")
+    build.add_argument("--max-batch", type=int, default=16, help="batch slots the engine serves")
+    build.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length per slot")
+    build.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    build.add_argument("--budget", type=int, default=None, help="Dustin's k; None: the Dustin config's")
+    build.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16", help="weights and the target's KV cache")
+    build.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model", help="the draft's KV cache")
+    build.add_argument("--pp-size", type=int, default=1, help="pipeline stages (contiguous target layers per rank)")
+    build.add_argument("--tune", action="store_true", help="measure the kernel tactics on this GPU (else the "
+                       "packaged table is recorded)")
+    build.add_argument("--seed", type=int, default=0, help="weights seed of presets (the draft's: seed + 1)")
+    build.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is complete)")
+    build.set_defaults(func=_build)
 
     repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)")
     repo.add_argument("--out", type=Path, required=True, help="repository directory (created; other models kept)")
@@ -298,7 +325,7 @@ def _dtype_name(requested: str | None, device: str) -> str:
 def _early_generate_args(argv: list[str]) -> argparse.Namespace | None:
     """generate's --model, --device and --dtype, read before the slow imports; None where they cannot be read on
     their own (another command, --help, an abbreviated option, a bad value): the full parser then decides."""
-    if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv):
+    if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv) or any(a.startswith("--engine") for a in argv):
         return None
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     options = [option for action in _add_model_arguments(parser) for option in action.option_strings]
@@ -319,7 +346,9 @@ def _loading_line(args: argparse.Namespace) -> str:
 
     device = args.device or _default_device()
     what = args.model
-    if args.model in (None, DEFAULT_MODEL):
+    if getattr(args, "engine", None) is not None:
+        what = f"the engine {args.engine}"
+    elif args.model in (None, DEFAULT_MODEL):
         try:
             what = f"SmolLM2-135M-Instruct (the default model) from {default_gguf_path()}"
         except ModelLoadError:  # opening it raises this again, with the fix, once the error handler is in place
@@ -329,12 +358,62 @@ def _loading_line(args: argparse.Namespace) -> str:
     return f"trtllm-dustin generate: loading {what} onto {device} ({_dtype_name(args.dtype, device)})"
 
 
-def _open(role: str, spec: str | None, seed: int) -> Checkpoint:
-    """Open a model (config and tokenizer, no weights) and say what it is."""
+def _build(args: argparse.Namespace) -> int:
+    from trtllm_dustin.build_engines.engine import EngineLimits, build_engine
+    from trtllm_dustin.dustin_config import DustinConfig
+
+    limits = EngineLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, gamma=args.gamma,
+                          budget=args.budget, dtype=args.dtype, draft_kv_cache=args.draft_kv_cache)
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    start = time.perf_counter()
+    build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, dustin=dustin,
+                 limits=limits, pp_size=args.pp_size, tune=args.tune, seed=args.seed, force=args.force)
+    print(f"build took {time.perf_counter() - start:.1f} s; run it: trtllm-dustin generate --engine {args.out}")
+    return 0
+
+
+def _open_engine(args: argparse.Namespace, device, method) -> OpenedEngine:
+    """generate --engine: check the engine (format, every file's sha256, fingerprints) and the run against its limits,
+    and take its models, drafter and dtype in place of the options that name them."""
+    from trtllm_dustin.build_engines.engine import EngineError, open_engine
+
+    given = [name for name in ("model", "draft", "longspark", "dustin_config") if getattr(args, name) is not None]
+    if given:
+        raise EngineError(f"--engine brings its own models and configs; drop --{given[0].replace('_', '-')}")
+    engine = open_engine(args.engine, device=device)
+    limits = engine.manifest.limits
+    if args.dtype is not None and args.dtype != limits.dtype:
+        raise EngineError(f"--dtype {args.dtype}: the engine's weights are {limits.dtype}; drop --dtype or rebuild")
+    for name, asked, limit in (("batch-size", args.batch_size, limits.max_batch), ("gamma", args.gamma, limits.gamma),
+                               ("max-seq-len", args.max_seq_len or 0, limits.max_seq_len)):
+        if asked > limit:
+            raise EngineError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
+                              f"--{'max-batch' if name == 'batch-size' else name} {asked}")
+    if method.needs_draft and engine.draft is None:
+        raise EngineError(f"--method {args.method} needs a draft model; the engine {args.engine} has none (rebuild "
+                          "it with --draft)")
+    if method.needs_longspark:
+        if engine.longspark is None:
+            raise EngineError(f"--method {args.method} needs a LongSpark drafter; the engine {args.engine} has none "
+                              "(rebuild it with --longspark)")
+        args.longspark = str(engine.longspark)
+    args.draft_kv_cache = limits.draft_kv_cache
+    print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
+          f"files' sha256, fingerprints; limits batch {limits.max_batch} x {limits.max_seq_len} tokens, gamma "
+          f"{limits.gamma}; tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
+          f"{engine.manifest.tactics_gpu})", flush=True)
+    for note in engine.notes:
+        print(note, flush=True)
+    return engine
+
+
+def _open(role: str, spec: str | None, seed: int, engine: OpenedEngine | None = None) -> Checkpoint:
+    """Open a model (config and tokenizer, no weights) and say what it is (from the engine, when one is given)."""
     from trtllm_dustin.models.loading import open_model
 
     start = time.perf_counter()
-    checkpoint = open_model(spec, seed)
+    checkpoint = (engine.target if role == "target" else engine.draft) if engine is not None else \
+        open_model(spec, seed)
     c = checkpoint.config
     print(f"{role}: {c.name}, {c.num_layers} layers x {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, vocab "
           f"{c.vocab_size}, {c.max_position_embeddings} positions, {c.num_parameters() / 1e6:.0f} M parameters; "
@@ -385,6 +464,8 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import torch
 
     from trtllm_dustin.attention import get_backend
@@ -407,19 +488,22 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
     method = METHODS[args.method]
     speculative = method.speculative
-    default_model = args.model in (None, DEFAULT_MODEL)
+    default_model = args.model in (None, DEFAULT_MODEL) and args.engine is None
 
     # ---- open every model (configs, tokenizer) and check every limit; no weight is read yet
-    target = _open("target", args.model, args.seed)
+    engine = _open_engine(args, device, method) if args.engine is not None else None
+    if engine is not None:
+        dtype = engine.manifest.limits.torch_dtype
+    target = _open("target", args.model, args.seed, engine)
     models = [("target", target)]
     kv_dtypes = [dtype]
     draft = None
     if method.needs_draft:
-        if args.draft is None:
+        if args.draft is None and engine is None:
             if not default_model:
                 raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
             args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
-        draft = _open("draft", args.draft, args.seed + 1)
+        draft = _open("draft", args.draft, args.seed + 1, engine)
         models.append(("draft", draft))
         kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
     if method.needs_longspark:
@@ -435,6 +519,8 @@ def _generate(args: argparse.Namespace) -> int:
               else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
               flush=True)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    if engine is not None:
+        dustin, args.dustin_config = engine.dustin, engine.directory / "dustin.json"
     if method.needs_dustin and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
         args.dustin_config = default_dustin_config_path()  # searched for the packaged pair
         dustin = DustinConfig.load(args.dustin_config)
@@ -455,6 +541,8 @@ def _generate(args: argparse.Namespace) -> int:
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
     config = loaded.model.config
     kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
+    if engine is not None and engine.tactics is not None:
+        kernels = replace(kernels, linear_tactics=str(engine.tactics))  # the engine's own (tuned) tactic table
     backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
     decoder = build_decoder(args.method, MethodSetup(
         target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),

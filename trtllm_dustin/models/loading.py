@@ -35,8 +35,9 @@ from trtllm_dustin.models.packaged import (
 )
 from trtllm_dustin.models.presets import get_preset
 
-__all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "Checkpoint", "LoadedModel", "ModelLoadError", "default_draft_path",
-           "default_dustin_config_path", "default_gguf_path", "load_model", "open_model", "save_hf_checkpoint"]
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "Checkpoint", "LoadedModel", "ModelLoadError", "copy_native",
+           "default_draft_path", "default_dustin_config_path", "default_gguf_path", "load_model", "native_tensors",
+           "open_model", "save_hf_checkpoint"]
 
 SHARED_KEY = "dustin_shares_target_embedding"  # config.json flag: embedding/output rows come from the target
 HEAD_IDS = "dustin.head_ids"  # safetensors name of a subset head's vocabulary ids
@@ -63,6 +64,7 @@ class Checkpoint:
     tensors: TensorSource | None  # the weights under Hugging Face names; None: random weights from `seed`
     seed: int = 0
     shared: bool = False  # a draft without embedding and output matrix: load(share_with=target) supplies them
+    native: bool = False  # `tensors` are under our own parameter names, in our fused layout (an engine's shards)
 
     def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              max_positions: int | None = None, share_with: Transformer | None = None) -> LoadedModel:
@@ -79,6 +81,8 @@ class Checkpoint:
         model = _empty_model(self.config, device, dtype, max_positions)
         if self.tensors is None:
             _random_init(model, self.seed)
+        elif self.native:
+            copy_native(model, self.tensors(device), self.source)
         else:
             _copy_tensors(model, self.tensors(device), self.source, share_with if self.shared else None)
         return LoadedModel(model.eval(), self.tokenizer, self.source)
@@ -236,6 +240,39 @@ def _copy_tensors(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]
     if missing:
         raise ModelLoadError(f"{source}: {len(missing)} parameters have no weights in the checkpoint "
                              f"(first: {missing[0]}); the checkpoint is incomplete")
+
+
+def native_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under our own names and fused layout (parameters and the subset head's ids): what an
+    engine's shards hold and `copy_native` reads back."""
+    tensors = dict(model.named_parameters())
+    if model.head_ids is not None:
+        tensors[HEAD_IDS] = model.head_ids.to(torch.int32)
+    return tensors
+
+
+def copy_native(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy (our name, tensor) pairs (`native_tensors`' layout) into the model; every parameter must be filled once,
+    with its own shape."""
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if name == HEAD_IDS and model.head_ids is not None:
+                model.head_ids.copy_(tensor.long())
+                continue
+            if name not in params:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {model.config.name}; the shard and "
+                                     "its config disagree, rebuild the engine")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                                     f"{tuple(params[name].shape)}; rebuild the engine")
+            params[name].copy_(tensor)
+            filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ModelLoadError(f"{source}: {len(missing)} parameters have no weights (first: {missing[0]}); the "
+                             "engine is incomplete, rebuild it")
 
 
 def _take_shared(model: Transformer, target: Transformer, source: str) -> None:

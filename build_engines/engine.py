@@ -1,0 +1,387 @@
+"""Engines: checkpoints + the search's Dustin config -> one checked, tuned directory a deployment loads as it is.
+
+TensorRT engines cannot be built here and TensorRT-LLM itself loads checkpoints directly, so an engine is our own
+build artifact: every model converted once into the runtime's fused layout, split into pipeline stages, with the
+tokenizer, the Dustin config, the limits it was built for and the kernel tactic table of the GPU it was tuned on,
+each file's sha256 in the manifest. A build is deterministic (the same inputs give byte-identical files) and atomic
+(written in a temporary directory beside the output and renamed, so an interrupted build leaves nothing).
+
+    <engine>/manifest.json           format version, package version, git SHA, the sources and their hashes, model
+                                     fingerprints, the Dustin config, the limits, the layer split per rank, the
+                                     tactic table's GPU, the sha256 of every other file
+    <engine>/target_config.json      the target's ModelConfig (draft_config.json: the draft's)
+    <engine>/rank<r>/target.safetensors   rank r's contiguous target layers (+ the embedding on rank 0, the final
+                                     norm and output head on the last rank); rank0/draft.safetensors: the draft
+    <engine>/longspark/              a LongSpark drafter (config.json, model.safetensors), when built with one
+    <engine>/tokenizer/              the target's tokenizer (save_pretrained), when it has one
+    <engine>/dustin.json             the Dustin config, when built with one
+    <engine>/tactics.json            the skinny-GEMM tactic table: tuned on this GPU (--tune) or the packaged one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
+from trtllm_dustin.models.errors import ModelLoadError
+
+__all__ = ["ENGINE_FORMAT_VERSION", "EngineError", "EngineLimits", "EngineManifest", "OpenedEngine", "build_engine",
+           "engine_tactics", "layer_split", "open_engine"]
+
+ENGINE_FORMAT_VERSION = 1
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class EngineError(ConfigError):
+    """An engine directory is missing, damaged, or does not fit the run asked of it."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine is built for; a run may ask for less, never more."""
+
+    max_batch: int = 16  # batch slots
+    max_seq_len: int = 4096  # KV cache length per slot: prompt + new tokens + gamma
+    gamma: int = 3  # draft tokens per speculative round
+    budget: int | None = None  # Dustin's k; None: the Dustin config's own
+    dtype: str = "bfloat16"  # weights and the target's KV cache
+    draft_kv_cache: str = "model"  # the draft's KV cache: "model" (dtype) or "fp8"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_seq_len", "gamma"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if self.budget is not None and self.budget < 1:
+            raise EngineError(f"--budget {self.budget} must be >= 1")
+        if self.dtype not in _DTYPES:
+            raise EngineError(f"--dtype {self.dtype} must be one of {_DTYPES}")
+        if self.draft_kv_cache not in ("model", "fp8"):
+            raise EngineError(f"--draft-kv-cache {self.draft_kv_cache} must be model or fp8")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def layer_split(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) layer ranges of the pipeline stages, the first ones one layer longer when the layers
+    do not divide evenly."""
+    if not 1 <= pp_size <= num_layers:
+        raise EngineError(f"--pp-size {pp_size} must be between 1 and the target's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    bounds, start = [], 0
+    for rank in range(pp_size):
+        stop = start + base + (1 if rank < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """manifest.json: everything the engine was built from and for, and the sha256 of each of its files."""
+
+    format_version: int
+    package_version: str
+    git_sha: str
+    sources: dict[str, dict[str, Any]]  # role -> {"spec", "files": {name: sha256}} (presets: their seed)
+    fingerprints: dict[str, str]  # role -> model_fingerprint of its config
+    limits: EngineLimits
+    pp_size: int
+    layers: list[tuple[int, int]]  # [start, stop) target layers of each rank
+    tactics_gpu: str  # the GPU the tactic table was measured on
+    tuned: bool  # the table was measured by this build (--tune), not the packaged one
+    dustin: dict[str, Any] | None = None
+    longspark: bool = False
+    files: dict[str, str] = field(default_factory=dict)  # path inside the engine -> sha256
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["layers"] = [list(r) for r in self.layers]
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> EngineManifest:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"{where} is not valid JSON ({e}); rebuild the engine with `trtllm-dustin build`") from e
+        version = data.get("format_version")
+        if version != ENGINE_FORMAT_VERSION:
+            raise EngineError(f"{where}: engine format version {version!r}, this build reads version "
+                              f"{ENGINE_FORMAT_VERSION}; rebuild the engine with `trtllm-dustin build`")
+        try:
+            data["limits"] = EngineLimits(**data["limits"])
+            data["layers"] = [tuple(r) for r in data["layers"]]
+            return cls(**data)
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"{where} lacks or mistypes a field ({e}); rebuild the engine") from e
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_record(spec: str | None, seed: int) -> dict[str, Any]:
+    """What a model was built from: its spec and the sha256 of its files (presets: the seed of their weights)."""
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_draft_path, default_gguf_path
+
+    if spec is not None and spec.startswith("preset:"):
+        return {"spec": spec, "seed": seed}
+    path = default_gguf_path() if spec in (None, DEFAULT_MODEL) else \
+        default_draft_path() if spec == DEFAULT_DRAFT else Path(os.path.expanduser(spec))
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return {"spec": spec or DEFAULT_MODEL, "files": {p.name: _sha256(p) for p in files}}
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: tensors[k].detach().contiguous().cpu() for k in sorted(tensors)}, str(path),
+              metadata={"format": "pt"})
+
+
+def build_engine(out: str | Path, *, target: str | None = None, draft: str | None = None,
+                 longspark: str | None = None, dustin: DustinConfig | None = None,
+                 limits: EngineLimits | None = None, pp_size: int = 1, tune: bool = False, seed: int = 0,
+                 device: str = "cpu", force: bool = False, log=print) -> Path:
+    """Build an engine at `out` (the module docstring says what it holds); returns its path.
+
+    target / draft: what `load_model` takes (None: the default SmolLM2 target; the draft only when given).
+    longspark: a LongSpark drafter for the target (a directory, "random", or None: none). tune: measure the
+    tactic table on this CUDA device (else the packaged table is recorded). The weights are converted on `device`
+    (cpu is fine: a build runs once). Every check runs before a weight is read.
+    """
+    from tqdm import tqdm
+
+    from trtllm_dustin import __version__
+    from trtllm_dustin.models.loading import native_tensors, open_model
+    from trtllm_dustin.models.longspark import load_longspark, longspark_config
+    from trtllm_dustin.plugins.linear_tactics import PACKAGED_LINEAR_TACTICS
+    from trtllm_dustin.provenance import git_sha
+
+    out = Path(out)
+    limits = limits or EngineLimits()
+    if out.exists() and not force:
+        raise EngineError(f"--out {out} exists; choose another directory or pass --force to replace it")
+    if tune and not torch.cuda.is_available():
+        raise EngineError("--tune needs a CUDA device (it measures the kernels on the GPU the engine is for); build "
+                          "without --tune to record the packaged defaults")
+    # ---- every check before a weight is read
+    target_ckpt = open_model(target, seed)
+    draft_ckpt = open_model(draft, seed + 1) if draft is not None else None
+    tc = target_ckpt.config
+    layers = layer_split(tc.num_layers, pp_size)
+    if limits.max_seq_len > tc.max_position_embeddings:
+        raise EngineError(f"--max-seq-len {limits.max_seq_len} exceeds the target's {tc.max_position_embeddings} "
+                          "positions; lower it")
+    if dustin is not None:
+        dustin.check_models(tc, draft_ckpt.config if draft_ckpt is not None else None)
+        if limits.budget is not None and limits.budget != dustin.budget:
+            dustin = replace(dustin, budget=limits.budget)
+    spark_config = longspark_config(longspark) if longspark is not None else None
+    if spark_config is not None:
+        spark_config.check_target(tc)
+
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        steps = tqdm(total=4 + pp_size + (draft is not None) + (longspark is not None), desc=f"build {out.name}",
+                     unit="step", disable=log is None)
+        dtype = limits.torch_dtype
+        loaded = target_ckpt.load(device, dtype)
+        steps.update()
+        model = loaded.model
+        weights = native_tensors(model)
+        for rank, (start, stop) in enumerate(layers):
+            shard = {k: v for k, v in weights.items()
+                     if k.startswith("layers.") and start <= int(k.split(".")[1]) < stop}
+            if rank == 0:
+                shard["embed.weight"] = weights["embed.weight"]
+            if rank == pp_size - 1:
+                shard |= {k: v for k, v in weights.items() if not k.startswith(("layers.", "embed."))}
+                if model.lm_head is None:  # tied: the output matrix is the embedding
+                    shard["embed.weight"] = weights["embed.weight"]
+            _save_tensors(shard, tmp / f"rank{rank}" / "target.safetensors")
+            steps.update()
+        (tmp / "target_config.json").write_text(tc.to_json() + "\n")
+        if draft_ckpt is not None:
+            draft_model = draft_ckpt.load(device, dtype, share_with=model).model
+            _save_tensors(native_tensors(draft_model), tmp / "rank0" / "draft.safetensors")
+            (tmp / "draft_config.json").write_text(draft_ckpt.config.to_json() + "\n")
+            steps.update()
+        if longspark is not None:
+            load_longspark(longspark, model, seed=seed + 1).save(tmp / "longspark")
+            steps.update()
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        if dustin is not None:
+            (tmp / "dustin.json").write_text(dustin.to_json() + "\n")
+        steps.update()
+        if tune:
+            from trtllm_dustin.build_engines.tune import decode_shapes, tune_linear
+
+            shapes = decode_shapes(tc, draft_ckpt.config if draft_ckpt is not None else None, limits.max_batch,
+                                   limits.gamma)
+            table = tune_linear(shapes, torch.device("cuda"), progress=log is not None)
+            (tmp / "tactics.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            gpu = table["gpu"]
+        else:
+            shutil.copyfile(PACKAGED_LINEAR_TACTICS, tmp / "tactics.json")
+            gpu = json.loads(PACKAGED_LINEAR_TACTICS.read_text())["gpu"]
+        steps.update()
+        sources = {"target": _source_record(target, seed)}
+        fingerprints = {"target": model_fingerprint(tc)}
+        if draft_ckpt is not None:
+            sources["draft"] = _source_record(draft, seed + 1)
+            fingerprints["draft"] = model_fingerprint(draft_ckpt.config)
+        if longspark is not None:
+            sources["longspark"] = _source_record(longspark, seed + 1) if longspark != "random" else \
+                {"spec": "random", "seed": seed + 1}
+        files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = EngineManifest(
+            format_version=ENGINE_FORMAT_VERSION, package_version=__version__, git_sha=git_sha(), sources=sources,
+            fingerprints=fingerprints, limits=limits, pp_size=pp_size, layers=layers, tactics_gpu=gpu, tuned=tune,
+            dustin=asdict(dustin) if dustin is not None else None, longspark=longspark is not None, files=files)
+        (tmp / "manifest.json").write_text(manifest.to_json())
+        steps.update()
+        steps.close()
+        if out.exists():  # --force: the old engine goes only once the new one is complete
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if log is not None:
+        log(f"built {out}: {tc.name}" + (f" + {draft_ckpt.config.name}" if draft_ckpt else "") +
+            f", pp {pp_size} (layers {layers}), {len(manifest.files)} files, tactics "
+            f"{'tuned on' if tune else 'packaged for'} {gpu}")
+    return out
+
+
+@dataclass
+class OpenedEngine:
+    """A checked engine, its models opened (configs, tokenizer) but not loaded: `target.load(...)` reads rank 0."""
+
+    directory: Path
+    manifest: EngineManifest
+    target: Any  # models.loading.Checkpoint over the engine's target shard
+    draft: Any | None  # the same for the draft
+    dustin: DustinConfig | None
+    longspark: Path | None  # the LongSpark drafter's directory inside the engine
+    tactics: Path | None  # the tactic table the runtime should read (None: the packaged one; another GPU's table)
+    notes: list[str] = field(default_factory=list)  # warnings to print (e.g. tuned for another GPU)
+
+
+def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", world_size: int = 1,
+                verify: bool = True) -> OpenedEngine:
+    """Check an engine before anything is allocated and open its models. Refuses, with the value and the fix: a
+    missing or damaged directory, another format version, a file whose sha256 differs (named), a config that
+    does not match the manifest's fingerprints, a world size other than the engine's pipeline size. An engine
+    tuned for another GPU is used with the packaged tactic table (and a note says so)."""
+    from functools import partial
+
+    from trtllm_dustin.models.loading import Checkpoint
+
+    directory, device = Path(directory), torch.device(device)
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise EngineError(f"--engine {directory}: no manifest.json there; build one with `trtllm-dustin build --out "
+                          f"{directory}`")
+    manifest = EngineManifest.from_json(path.read_text(), str(path))
+    if world_size != manifest.pp_size:
+        raise EngineError(f"--engine {directory} was built for {manifest.pp_size} pipeline stage(s) but this run "
+                          f"has {world_size} process(es); launch it with `torchrun --nproc-per-node "
+                          f"{manifest.pp_size}` or rebuild with --pp-size {world_size}")
+    if manifest.pp_size > 1:
+        raise EngineError(f"--engine {directory} has {manifest.pp_size} pipeline stages; pipeline-parallel "
+                          "execution is not part of this build yet, rebuild with --pp-size 1")
+    if verify:
+        for name, digest in manifest.files.items():
+            file = directory / name
+            if not file.is_file():
+                raise EngineError(f"--engine {directory}: {name} is missing; rebuild the engine")
+            if _sha256(file) != digest:
+                raise EngineError(f"--engine {directory}: {name} does not match its sha256 in manifest.json (the "
+                                  "file was changed or damaged); rebuild the engine")
+    configs = {}
+    for role in manifest.fingerprints:
+        config = ModelConfig.from_json((directory / f"{role}_config.json").read_text())
+        if model_fingerprint(config) != manifest.fingerprints[role]:
+            raise EngineError(f"--engine {directory}: {role}_config.json does not match the manifest's "
+                              f"fingerprint; rebuild the engine")
+        configs[role] = config
+    _check_memory(directory, manifest, configs, device)
+    dustin = DustinConfig.load(directory / "dustin.json") if manifest.dustin is not None else None
+    if dustin is not None:
+        dustin.check_models(configs["target"], configs.get("draft"))
+    tokenizer = None
+    if (directory / "tokenizer").is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
+    about = f"engine {directory.name} ({manifest.limits.dtype}, built at git {manifest.git_sha[:12]})"
+
+    def shard(role: str) -> Checkpoint:
+        file = directory / "rank0" / f"{role}.safetensors"
+        return Checkpoint(configs[role], tokenizer, f"{directory}/{file.relative_to(directory)}", about,
+                          partial(_iter_shard, file), native=True)
+
+    tactics, notes = engine_tactics(directory, manifest,
+                                    torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    return OpenedEngine(directory, manifest, shard("target"), shard("draft") if "draft" in configs else None, dustin,
+                        directory / "longspark" if manifest.longspark else None, tactics, notes)
+
+
+def engine_tactics(directory: Path, manifest: EngineManifest, gpu: str | None) -> tuple[Path | None, list[str]]:
+    """The tactic table a run on `gpu` (None: not a GPU) reads, and a note when the engine's does not apply: a table
+    tuned on another GPU gives way to the packaged one (None)."""
+    if manifest.tuned and gpu is not None and gpu != manifest.tactics_gpu:
+        return None, [f"note: --engine {directory} was tuned on {manifest.tactics_gpu}, this is {gpu}: using the "
+                      "packaged kernel tactics (rebuild with --tune on this GPU for its own)"]
+    return directory / "tactics.json", []
+
+
+def _check_memory(directory: Path, manifest: EngineManifest, configs: dict[str, ModelConfig],
+                  device: torch.device) -> None:
+    """The engine's weights and the KV caches of its limits must fit in `device`'s free memory (nothing allocated)."""
+    from trtllm_dustin.kv_cache import KVCache, MemoryPlanError, check_fits
+    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+
+    limits, dtype = manifest.limits, manifest.limits.torch_dtype
+    weights = sum(c.num_parameters() * dtype.itemsize for c in configs.values())
+    caches = sum(KVCache.nbytes_for(c, limits.max_batch, limits.max_seq_len,
+                                    dtype if role == "target" else draft_kv_dtype(limits.draft_kv_cache, dtype))
+                 for role, c in configs.items())
+    try:
+        check_fits(f"--engine {directory} (weights {weights / 2**30:.2f} GiB + KV caches of its limits, "
+                   f"{limits.max_batch} x {limits.max_seq_len} tokens, {caches / 2**30:.2f} GiB)", weights + caches,
+                   device)
+    except MemoryPlanError as e:
+        raise EngineError(f"{e}; or rebuild the engine with a smaller --max-batch / --max-seq-len") from None
+
+
+def _iter_shard(file: Path, device: torch.device):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{file} is unreadable ({e}); rebuild the engine") from e

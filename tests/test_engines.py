@@ -1,0 +1,190 @@
+"""Engines (build_engines/engine.py): build -> open -> generate equals generate from the sources; a rebuild is
+byte-identical; every refusal names the value and the fix; an interrupted build leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_dustin.build_engines import engine as engine_module
+from trtllm_dustin.build_engines.engine import (
+    EngineError,
+    EngineLimits,
+    EngineManifest,
+    build_engine,
+    engine_tactics,
+    layer_split,
+    open_engine,
+)
+from trtllm_dustin.cli import main
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+
+TARGET, DRAFT = "preset:tiny-llama", "preset:tiny-llama-draft"
+LIMITS = EngineLimits(max_batch=2, max_seq_len=96, gamma=3, dtype="float32")
+DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)),), budget=24, m=4,
+                      n_sink=4, n_recent=8, gamma=3)
+
+
+def build(out: Path, **changes) -> Path:
+    kwargs = dict(target=TARGET, draft=DRAFT, longspark="random", dustin=DUSTIN, limits=LIMITS, seed=3, log=None)
+    return build_engine(out, **(kwargs | changes))
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("engines") / "tiny")
+
+
+def generated(capsys, argv: list[str]) -> list[str]:
+    """The token lines `trtllm-dustin generate` prints."""
+    assert main(argv) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+
+
+@pytest.mark.parametrize("method", ["vanilla", "dustin-h", "dustin-t-longspark"])
+def test_engine_generates_what_its_sources_generate(engine_dir: Path, capsys, method: str) -> None:
+    """The round trip: the engine's weights, Dustin config and LongSpark drafter give the tokens the source models
+    give (same seeds), greedy and sampled."""
+    common = ["generate", "--prompt-tokens", "30", "--max-new-tokens", "12", "--method", method, "--device", "cpu",
+              "--batch-size", "2", "--seed", "3"]
+    for sampling in ([], ["--temperature", "0.8", "--top-p", "0.9"]):
+        from_engine = generated(capsys, [*common, *sampling, "--engine", str(engine_dir)])
+        dustin = engine_dir / "dustin.json"
+        sources = ["--model", TARGET, "--dtype", "float32", "--dustin-config", str(dustin)]
+        sources += ["--draft", DRAFT] if method == "dustin-h" else []
+        sources += ["--longspark", str(engine_dir / "longspark")] if "longspark" in method else []
+        assert from_engine and from_engine == generated(capsys, [*common, *sampling, *sources])
+
+
+def test_rebuild_is_byte_identical(engine_dir: Path, tmp_path: Path) -> None:
+    again = build(tmp_path / "again")
+    files = sorted(p.relative_to(engine_dir) for p in engine_dir.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for name in files:
+        assert (engine_dir / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_manifest_records_sources_limits_and_every_file(engine_dir: Path) -> None:
+    manifest = EngineManifest.from_json((engine_dir / "manifest.json").read_text(), "manifest")
+    assert manifest.limits == LIMITS and manifest.pp_size == 1 and manifest.layers == [(0, 3)]
+    assert manifest.sources["target"] == {"spec": TARGET, "seed": 3}
+    assert set(manifest.fingerprints) == {"target", "draft"} and manifest.longspark
+    on_disk = {p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*") if p.is_file()}
+    assert set(manifest.files) == on_disk - {"manifest.json"}
+    assert manifest.tactics_gpu == "NVIDIA H200" and not manifest.tuned  # the packaged table
+
+
+def test_pipeline_shards_hold_contiguous_layers(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    assert layer_split(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None)
+    names = []
+    for rank in range(2):
+        with safe_open(str(out / f"rank{rank}" / "target.safetensors"), framework="pt") as f:
+            names.append(set(f.keys()))
+    assert "embed.weight" in names[0] and "lm_head.weight" in names[1] and "norm.weight" in names[1]
+    assert {int(n.split(".")[1]) for n in names[0] if n.startswith("layers.")} == {0, 1}
+    assert {int(n.split(".")[1]) for n in names[1] if n.startswith("layers.")} == {2}
+    with pytest.raises(EngineError, match=r"built for 2 pipeline stage\(s\) but this run has 1 process"):
+        open_engine(out)
+    with pytest.raises(EngineError, match="--pp-size 9 must be between 1 and the target's 3 layers"):
+        layer_split(3, 9)
+
+
+def copy_engine(engine_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(engine_dir, tmp_path / "copy"))
+
+
+def test_refusals_name_the_file_and_the_fix(engine_dir: Path, tmp_path: Path) -> None:
+    bad = copy_engine(engine_dir, tmp_path)
+    shard = bad / "rank0" / "draft.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=r"rank0/draft.safetensors does not match its sha256.*rebuild"):
+        open_engine(bad)
+
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(EngineError, match="engine format version 99, this build reads version 1"):
+        open_engine(bad)
+
+    # a config that is not the one the fingerprints were taken of (its sha256 updated, as a careless edit would)
+    config = json.loads((engine_dir / "target_config.json").read_text()) | {"num_layers": 4}
+    (bad / "target_config.json").write_text(json.dumps(config))
+    files = manifest["files"] | {"target_config.json": engine_module._sha256(bad / "target_config.json"),
+                                 "rank0/draft.safetensors": engine_module._sha256(shard)}
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+    with pytest.raises(EngineError, match="target_config.json does not match the manifest's fingerprint"):
+        open_engine(bad)
+
+    with pytest.raises(EngineError, match="no manifest.json there; build one with"):
+        open_engine(tmp_path / "nowhere")
+
+
+def test_limits_that_do_not_fit_are_refused(engine_dir: Path, monkeypatch) -> None:
+    from trtllm_dustin import kv_cache
+
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 1 << 20)
+    with pytest.raises(EngineError, match=r"needs .* GiB but only .* free.*smaller --max-batch / --max-seq-len"):
+        open_engine(engine_dir)
+
+
+def test_a_table_tuned_on_another_gpu_gives_way_to_the_packaged_one(engine_dir: Path) -> None:
+    manifest = EngineManifest.from_json((engine_dir / "manifest.json").read_text(), "m")
+    tuned = EngineManifest(**{**manifest.__dict__, "tuned": True, "tactics_gpu": "NVIDIA H100"})
+    assert engine_tactics(engine_dir, tuned, "NVIDIA H100") == (engine_dir / "tactics.json", [])
+    table, notes = engine_tactics(engine_dir, tuned, "NVIDIA H200")
+    assert table is None and "tuned on NVIDIA H100, this is NVIDIA H200" in notes[0]
+    assert engine_tactics(engine_dir, tuned, None) == (engine_dir / "tactics.json", [])
+
+
+def test_run_limits_and_missing_parts_are_refused(engine_dir: Path, tmp_path: Path, capsys) -> None:
+    base = ["generate", "--engine", str(engine_dir), "--prompt-tokens", "8", "--device", "cpu"]
+    for extra, message in ((["--batch-size", "3"], "--batch-size 3 exceeds the engine's 2"),
+                           (["--model", TARGET], "--engine brings its own models and configs; drop --model"),
+                           (["--dtype", "bfloat16"], "the engine's weights are float32")):
+        assert main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+    plain = build(tmp_path / "plain", draft=None, dustin=None, longspark=None)
+    assert main(["generate", "--engine", str(plain), "--prompt-tokens", "8", "--method", "classic"]) == 2
+    assert "needs a draft model; the engine" in capsys.readouterr().err
+
+
+def test_build_refuses_before_reading_weights(tmp_path: Path, engine_dir: Path) -> None:
+    with pytest.raises(EngineError, match="exists; choose another directory or pass --force"):
+        build(engine_dir)
+    with pytest.raises(EngineError, match="--max-seq-len 100000 exceeds the target's"):
+        build(tmp_path / "long", limits=EngineLimits(max_seq_len=100000))
+    other = DustinConfig(**{**DUSTIN.__dict__, "target_fingerprint": "0123456789abcdef"})
+    with pytest.raises(Exception, match="searched for another target"):
+        build(tmp_path / "other", dustin=other)
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="--tune needs a CUDA device"):
+            build(tmp_path / "tuned", tune=True)
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    real = engine_module._save_tensors
+    calls = []
+
+    def fail_second(tensors, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(tensors, path)
+
+    monkeypatch.setattr(engine_module, "_save_tensors", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "cut")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(engine_module, "_save_tensors", real)
+    build(tmp_path / "cut")  # and a complete build then lands where the cut one would have
+    assert (tmp_path / "cut" / "manifest.json").is_file()
