@@ -262,6 +262,36 @@ def add_speedups(rows: list[dict]) -> None:
             r["speedup_vs_vanilla"] = r["tokens_per_s"] / vanilla[(r["batch"], r["context"])]
 
 
+def engine_models(args: argparse.Namespace, pair: Pair, device: torch.device, dtype: torch.dtype, max_pos: int):
+    """--engine: the target and draft from the engine (checked first), the kernel config with its tactic table."""
+    from dataclasses import replace
+
+    from trtllm_dustin.build_engines.engine import open_engine
+
+    start = time.perf_counter()
+    engine = open_engine(args.engine, device=device)
+    checked = time.perf_counter() - start
+    names = {"target": engine.target.config.name, "draft": engine.draft.config.name if engine.draft else None}
+    want = {"target": pair.target.removeprefix("preset:"), "draft": pair.draft.removeprefix("preset:")}
+    if names != want or engine.manifest.limits.dtype != str(dtype).removeprefix("torch."):
+        raise SystemExit(f"--engine {args.engine} holds {names} in {engine.manifest.limits.dtype}; the pair "
+                         f"{args.pair} needs {want} in {dtype}: build it with `trtllm-dustin build --model "
+                         f"{pair.target} --draft {pair.draft}`")
+    target = engine.target.load(device, dtype, max_pos).model
+    draft = engine.draft.load(device, dtype, max_pos).model
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    kernels = args.kernels if engine.tactics is None else replace(args.kernels, linear_tactics=str(engine.tactics))
+    for note in engine.notes:
+        print(note)
+    record = {"directory": str(args.engine), "git_sha": engine.manifest.git_sha, "tuned": engine.manifest.tuned,
+              "tactics_gpu": engine.manifest.tactics_gpu, "tactics_used": str(engine.tactics), "checked_s": checked,
+              "load_s": time.perf_counter() - start}
+    print(f"engine {args.engine}: checked in {checked:.1f} s, loaded in {record['load_s']:.1f} s, tactics "
+          f"{'tuned' if engine.manifest.tuned else 'packaged'}")
+    return target, draft, kernels, record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=sorted(PAIRS), default="llama-8b")
@@ -276,6 +306,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
+    parser.add_argument("--engine", type=Path, default=None, help="take the pair's weights and kernel tactic table "
+                        "from this engine (`trtllm-dustin build --model TARGET --draft DRAFT [--tune]`)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also record per-kernel GPU time (torch.profiler) at the longest context of each method")
     for flag, (_, about) in SWITCHES.items():
@@ -300,8 +332,12 @@ def main() -> None:
     contexts = sorted(int(c) for c in args.contexts.split(","))
     t0 = time.perf_counter()
     max_pos = max(contexts) + 4096
-    target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
-    draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
+    engine_record = None
+    if args.engine is not None:  # the pair's weights and tactic table from an engine built for it
+        target, draft, args.kernels, engine_record = engine_models(args, pair, device, dtype, max_pos)
+    else:
+        target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
+        draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         rows += bench_batch(pair, target, draft, batch, contexts, args, device, dtype)
@@ -313,7 +349,8 @@ def main() -> None:
                     **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
                     "kernels": json.loads(args.kernels.to_json()), "pdl_supported": pdl_supported(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
-                    + pair.dustin.to_json(), "wall_s": time.perf_counter() - t0, "rows": rows})
+                    + pair.dustin.to_json(), "engine": engine_record, "wall_s": time.perf_counter() - t0,
+                    "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         fields = ["batch", "context", "method", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round", "tau_stated",
                   "tau_realized", "tokens_per_s_realized", "floor_ms", "fraction_of_floor", "skipped"]

@@ -188,3 +188,34 @@ def test_an_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(engine_module, "_save_tensors", real)
     build(tmp_path / "cut")  # and a complete build then lands where the cut one would have
     assert (tmp_path / "cut" / "manifest.json").is_file()
+
+
+def test_served_from_an_engine_as_from_its_sources(engine_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """triton-repo --engine stores the engine's absolute path (checked when the repository is written, refused past
+    its limits), and the serving engine answers a request as it does from the source models."""
+    import threading
+
+    from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
+
+    monkeypatch.chdir(engine_dir.parent)
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--out", str(repo), "--engine", engine_dir.name, "--method", "dustin-h",
+                 "--max-batch", "2", "--max-seq-len", "96"]) == 0
+    stored = ServingConfig.load(repo / "dustin" / "1" / "serving_config.json")
+    assert stored.engine == str(engine_dir.resolve())
+    assert main(["triton-repo", "--out", str(repo), "--engine", engine_dir.name, "--max-batch", "4"]) == 2
+
+    def answer(config: ServingConfig) -> str:
+        engine, done, pieces = ServingEngine.from_config(config), threading.Event(), []
+        try:
+            engine.submit(GenerationRequest(text="", input_ids=tuple(range(5, 40)), max_tokens=10), lambda c: (
+                pieces.append(c), c.final and done.set()))
+            assert done.wait(120) and pieces[-1].error is None
+        finally:
+            engine.close()
+        return pieces[-1].text
+
+    sources = ServingConfig(model=TARGET, draft=DRAFT, dustin=DustinConfig.load(engine_dir / "dustin.json"),
+                            methods=("dustin-h",), max_batch=2, max_seq_len=96, dtype="float32", weights_seed=3)
+    assert answer(stored) == answer(sources)

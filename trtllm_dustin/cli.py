@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plain request/response model (HTTP infer; no streaming, batches per execute call)")
     repo.add_argument("--chat-template", action="store_true", help="wrap text_input in the tokenizer's chat template")
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
+    repo.add_argument("--engine", type=Path, default=None, help="serve an engine directory from `trtllm-dustin "
+                      "build` (its models, Dustin config, LongSpark drafter, dtype and tactics; stored as an absolute "
+                      "path)")
     repo.set_defaults(func=_triton_repo)
 
     for name, add_arguments, command, text in (
@@ -578,7 +581,16 @@ def _triton_repo(args: argparse.Namespace) -> int:
     from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
+    if args.engine is not None:  # checked now, not first when the server loads the model
+        from trtllm_dustin.build_engines.engine import open_engine
+
+        opened = open_engine(args.engine, device=args.device)
+        limits = opened.manifest.limits
+        if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
+            raise ValueError(f"--max-batch {args.max_batch} / --max-seq-len {args.max_seq_len} exceed the engine's "
+                             f"{limits.max_batch} / {limits.max_seq_len}; lower them or rebuild the engine")
     config = ServingConfig(
+        engine=str(args.engine.resolve()) if args.engine is not None else None,
         model=args.model, draft=args.draft, longspark=args.longspark, methods=tuple(args.method),
         dustin=DustinConfig.load(args.dustin_config) if args.dustin_config else None, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,

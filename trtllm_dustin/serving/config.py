@@ -23,6 +23,7 @@ class ServingConfig:
     """One Triton model instance: the models it loads, the methods it serves and its batching limits."""
 
     model: str | None = None  # checkpoint dir, .gguf file or preset:NAME; None = the embedded SmolLM2 default
+    engine: str | None = None  # an engine directory (`trtllm-dustin build`): its models, configs, dtype, tactics
     draft: str | None = None  # draft model (same forms); needed by the draft-model methods
     longspark: str | None = None  # LongSpark drafter dir or "random"; None = the packaged one (default model only)
     methods: tuple[str, ...] = ("vanilla",)  # methods served; each keeps its own KV caches (memory x methods)
@@ -57,6 +58,12 @@ class ServingConfig:
             raise ConfigError(f"method(s) {unknown} are unknown; choose from {', '.join(OFFERED_METHODS)}")
         if self.default_method and self.default_method not in self.methods:
             raise ConfigError(f"default method {self.default_method!r} is not among the served {self.methods}")
+        if self.engine is not None:
+            given = [name for name in ("model", "draft", "longspark", "dustin") if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"--engine brings its own models and configs; drop --{given[0]}")
+            self._check_limits()
+            return
         needing = [m for m in self.methods if METHODS[m].needs_longspark]
         if needing and self.longspark is None and self.model is not None:
             raise ConfigError(f"methods {needing} need --longspark DIR (from `trtllm-dustin train-longspark`) or "
@@ -67,6 +74,9 @@ class ServingConfig:
         if any(METHODS[m].needs_dustin for m in self.methods) and self.dustin is None:
             needing = [m for m in self.methods if METHODS[m].needs_dustin]
             raise ConfigError(f"methods {needing} need --dustin-config FILE (written by `trtllm-dustin search`)")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
         for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

@@ -16,11 +16,12 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from trtllm_dustin.attention import get_backend
+from trtllm_dustin.build_engines.engine import open_engine
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
@@ -121,25 +122,43 @@ class ServingEngine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda but no CUDA device is visible; regenerate the repository with --device cpu")
         dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
         speculative = any(METHODS[m].needs_draft for m in config.methods)
-        draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
-                           share_with=loaded.model).model \
-            if speculative else None
-        longspark = load_longspark(config.longspark, loaded.model, seed=config.weights_seed + 1) \
-            if any(METHODS[m].needs_longspark for m in config.methods) else None
+        needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
         kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
+        dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
+        if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
+            engine = open_engine(config.engine, device=device)
+            missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
+                                                        ("a LongSpark drafter", needs_spark, engine.longspark),
+                                                        ("a Dustin config", any(METHODS[m].needs_dustin for m in
+                                                                                config.methods), engine.dustin))
+                       if needed and not there]
+            if missing:
+                raise ValueError(f"the methods {list(config.methods)} need {missing[0]}; the engine {config.engine} "
+                                 "has none: rebuild it with it")
+            dtype, dustin, draft_kv_cache = engine.manifest.limits.torch_dtype, engine.dustin, \
+                engine.manifest.limits.draft_kv_cache
+            loaded = engine.target.load(device, dtype)
+            draft = engine.draft.load(device, dtype).model if speculative else None
+            spark_spec = str(engine.longspark) if needs_spark else None
+            if engine.tactics is not None:
+                kernels = replace(kernels, linear_tactics=str(engine.tactics))
+        else:
+            loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
+            draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
+                               share_with=loaded.model).model if speculative else None
+        longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
         backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
         batchers = {}
         for method in config.methods:
             needs_draft = METHODS[method].needs_draft
             target_cache = KVCache.allocate(loaded.model.config, config.max_batch, config.max_seq_len, dtype, device)
             draft_cache = KVCache.allocate(draft.config, config.max_batch, config.max_seq_len,
-                                           draft_kv_dtype(config.draft_kv_cache, dtype), device) \
+                                           draft_kv_dtype(draft_kv_cache, dtype), device) \
                 if needs_draft else None
             decoder = build_decoder(method, MethodSetup(
                 target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
-                draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=config.dustin,
+                draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=dustin,
                 longspark=longspark, use_cuda_graph=config.use_cuda_graph, kernels=kernels))
             batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
         # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
