@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from trtllm_dustin.build_engines.tune import graph_ms  # the engine build's tactic tuner times the same way
 from trtllm_dustin.provenance import git_sha
 
 __all__ = ["COPY_BANDWIDTH", "RESULTS", "Clock", "environment", "git_sha", "graph_ms", "save_json", "time_cuda"]
@@ -69,26 +70,3 @@ class Clock:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-
-
-def graph_ms(calls, replays: int, warmup: int = 3) -> float:
-    """Median time of one call: all `calls` captured in one CUDA graph, each replay timed."""
-    for call in calls:  # compile and allocate outside capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]

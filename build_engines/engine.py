@@ -135,6 +135,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _hash_files(root: Path, files: list[Path]) -> dict[str, str]:
+    """sha256 of each file (path relative to root -> hex), the files hashed in parallel (hashlib releases the GIL:
+    an 8B engine's 18 GB take one file's time, not the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
+        digests = list(pool.map(_sha256, files))
+    return {f.relative_to(root).as_posix(): d for f, d in zip(files, digests, strict=True)}
+
+
 def _source_record(spec: str | None, seed: int) -> dict[str, Any]:
     """What a model was built from: its spec and the sha256 of its files (presets: the seed of their weights)."""
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_draft_path, default_gguf_path
@@ -170,7 +180,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
 
     from trtllm_dustin import __version__
     from trtllm_dustin.models.loading import native_tensors, open_model
-    from trtllm_dustin.models.longspark import load_longspark, longspark_config
+    from trtllm_dustin.models.longspark import load_longspark, longspark_config, longspark_directory
     from trtllm_dustin.plugins.linear_tactics import PACKAGED_LINEAR_TACTICS
     from trtllm_dustin.provenance import git_sha
 
@@ -251,9 +261,9 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
             sources["draft"] = _source_record(draft, seed + 1)
             fingerprints["draft"] = model_fingerprint(draft_ckpt.config)
         if longspark is not None:
-            sources["longspark"] = _source_record(longspark, seed + 1) if longspark != "random" else \
-                {"spec": "random", "seed": seed + 1}
-        files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            sources["longspark"] = {"spec": "random", "seed": seed + 1} if longspark == "random" else \
+                {"spec": longspark, "files": _source_record(str(longspark_directory(longspark)), seed)["files"]}
+        files = _hash_files(tmp, sorted(p for p in tmp.rglob("*") if p.is_file()))
         manifest = EngineManifest(
             format_version=ENGINE_FORMAT_VERSION, package_version=__version__, git_sha=git_sha(), sources=sources,
             fingerprints=fingerprints, limits=limits, pp_size=pp_size, layers=layers, tactics_gpu=gpu, tuned=tune,
@@ -312,11 +322,12 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
         raise EngineError(f"--engine {directory} has {manifest.pp_size} pipeline stages; pipeline-parallel "
                           "execution is not part of this build yet, rebuild with --pp-size 1")
     if verify:
+        missing = [name for name in manifest.files if not (directory / name).is_file()]
+        if missing:
+            raise EngineError(f"--engine {directory}: {missing[0]} is missing; rebuild the engine")
+        found = _hash_files(directory, [directory / name for name in manifest.files])
         for name, digest in manifest.files.items():
-            file = directory / name
-            if not file.is_file():
-                raise EngineError(f"--engine {directory}: {name} is missing; rebuild the engine")
-            if _sha256(file) != digest:
+            if found[name] != digest:
                 raise EngineError(f"--engine {directory}: {name} does not match its sha256 in manifest.json (the "
                                   "file was changed or damaged); rebuild the engine")
     configs = {}

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "packaged table is recorded)")
     build.add_argument("--seed", type=int, default=0, help="weights seed of presets (the draft's: seed + 1)")
     build.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is complete)")
+    build.add_argument("--device", default=None, help="where the weights are converted (presets initialised); None: "
+                       "cuda when available, else cpu")
     build.set_defaults(func=_build)
 
     repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)")
@@ -370,7 +372,8 @@ def _build(args: argparse.Namespace) -> int:
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     start = time.perf_counter()
     build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, dustin=dustin,
-                 limits=limits, pp_size=args.pp_size, tune=args.tune, seed=args.seed, force=args.force)
+                 limits=limits, pp_size=args.pp_size, tune=args.tune, seed=args.seed, force=args.force,
+                 device=args.device or _default_device())
     print(f"build took {time.perf_counter() - start:.1f} s; run it: trtllm-dustin generate --engine {args.out}")
     return 0
 

@@ -38,8 +38,8 @@ from trtllm_dustin.models.decoder import Block, RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 
 __all__ = ["DEFAULT_LONGSPARK", "LONGSPARK_SCHEMA_VERSION", "LongSpark", "LongSparkConfig", "default_longspark_path",
-           "load_longspark", "longspark_config", "random_longspark", "spread_layers", "summary_attention",
-           "summary_merge", "window_rows"]
+           "load_longspark", "longspark_config", "longspark_directory", "random_longspark", "spread_layers",
+           "summary_attention", "summary_merge", "window_rows"]
 
 LONGSPARK_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_longspark"
@@ -329,6 +329,11 @@ def random_longspark(target: Transformer, seed: int = 0, **config) -> LongSpark:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.ndim < 2 else 1.0 / math.sqrt(p.shape[-1])))
     return model.to(device=device, dtype=dtype).requires_grad_(False).eval()
+
+
+def longspark_directory(spec: str | Path | None) -> Path:
+    """The directory a LongSpark spec names (None / "smollm2-longspark": the packaged one), checked to hold one."""
+    return _checkpoint_dir(spec)
 
 
 def _checkpoint_dir(spec: str | Path | None) -> Path:
