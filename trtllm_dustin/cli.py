@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # annotations only: the imports themselves wait until a comma
     import torch
 
     from trtllm_dustin.build_engines.engine import OpenedEngine
+    from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.models.decoder import Transformer
     from trtllm_dustin.models.loading import Checkpoint, LoadedModel
 
@@ -125,17 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "cuda when available, else cpu")
     build.set_defaults(func=_build)
 
-    repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)")
+    repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     repo.add_argument("--out", type=Path, required=True, help="repository directory (created; other models kept)")
     repo.add_argument("--name", default="dustin", help="model name inside the repository")
     repo.add_argument("--model", default=None,
                       help="Hugging Face checkpoint directory, .gguf file, or preset:NAME (default: SmolLM2-135M)")
-    repo.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model)")
+    repo.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model); "
+                      "None with the default model: its packaged distilled draft")
     repo.add_argument("--method", nargs="+", choices=OFFERED_METHODS, default=["vanilla"], metavar="METHOD",
                       help="methods served, each with its own KV caches; the first is the default of a request "
                       "(default: vanilla); one or more of " + ", ".join(OFFERED_METHODS))
     repo.add_argument("--dustin-config", type=Path, default=None,
-                      help="Dustin estimator config (JSON written by `trtllm-dustin search`), copied into the repo")
+                      help="Dustin estimator config (JSON written by `trtllm-dustin search`), copied into the repo; "
+                      "None for the default pair: the packaged one")
     repo.add_argument("--max-batch", type=int, default=8, help="batch slots per method (in-flight batching)")
     repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
     repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
@@ -159,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "build` (its models, Dustin config, LongSpark drafter, dtype and tactics; stored as an absolute "
                       "path)")
     repo.set_defaults(func=_triton_repo)
+
+    serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
+                           "until Ctrl-C / SIGTERM", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--repo", type=Path, required=True, help="the model repository (`trtllm-dustin triton-repo`)")
+    serve.add_argument("--address", default="127.0.0.1",
+                       help="interface the HTTP and gRPC endpoints bind (0.0.0.0: every interface)")
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
+    serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free port)")
+    serve.add_argument("--server-dir", type=Path, default=Path.home() / ".cache" / "trtllm-dustin" / "tritonserver",
+                       help="where nvidia-pytriton's server is prepared (once) with this Python's backend stub")
+    serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log beside the repo")
+    serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
+    serve.set_defaults(func=_serve)
 
     for name, add_arguments, command, text in (
             ("srh", add_srh_arguments, srh_command, "identify semantic retrieval heads (needle-in-a-haystack)"),
@@ -581,11 +598,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _triton_repo(args: argparse.Namespace) -> int:
-    from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
-    if args.engine is not None:  # checked now, not first when the server loads the model
+    if args.engine is None:  # the models, drafter, Dustin config, device and limits, as `generate` checks them
+        args.model, args.draft, args.longspark, dustin = _repository_models(args)
+    else:  # checked now, not first when the server loads the model
         from trtllm_dustin.build_engines.engine import open_engine
+
+        dustin = None
 
         opened = open_engine(args.engine, device=args.device)
         limits = opened.manifest.limits
@@ -595,7 +615,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
     config = ServingConfig(
         engine=str(args.engine.resolve()) if args.engine is not None else None,
         model=args.model, draft=args.draft, longspark=args.longspark, methods=tuple(args.method),
-        dustin=DustinConfig.load(args.dustin_config) if args.dustin_config else None, max_batch=args.max_batch,
+        dustin=dustin, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,
         use_cuda_graph=not args.no_cuda_graph, decoupled=not args.no_decoupled, weights_seed=args.seed,
@@ -603,8 +623,118 @@ def _triton_repo(args: argparse.Namespace) -> int:
     model_dir = write_model_repository(args.out, config, args.name)
     print(f"wrote {model_dir} (methods {', '.join(config.methods)}; default {config.method}; "
           f"{'decoupled' if config.decoupled else 'non-decoupled'})")
-    print(f"serve it: tritonserver --model-repository {args.out.resolve()}  (docs/serving.md)")
+    print(f"serve it: trtllm-dustin serve --repo {args.out.resolve()}  (docs/serving.md)")
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Start the server, say where it listens, wait for Ctrl-C / SIGTERM (or the server's own death), stop it."""
+    import signal
+    import threading
+
+    from trtllm_dustin.serving.launch import ServerError, TritonServer, prepare_pytriton_server
+
+    models = sorted(p.parent.parent.name for p in args.repo.glob("*/1/serving_config.json"))
+    if not models:
+        raise ValueError(f"--repo {args.repo} holds no model written by `trtllm-dustin triton-repo`; write one with "
+                         f"`trtllm-dustin triton-repo --out {args.repo}`")
+    for port, name in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port")):
+        if not 0 <= port < 65536:
+            raise ValueError(f"{name} {port} must be in 0..65535")
+    if not (args.server_dir / "bin" / "tritonserver").is_file():
+        print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
+        prepare_pytriton_server(args.server_dir)
+    log = args.log or args.repo.resolve().parent / "serve.log"
+    server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
+                          http_port=args.http_port, grpc_port=args.grpc_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting tritonserver on {args.address} for {', '.join(models)} (log: {log})", flush=True)
+    try:
+        server.start()
+    except ServerError as e:
+        raise ValueError(str(e)) from None
+    print(f"ready: HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: docs/serving.md); Ctrl-C stops "
+          "it", flush=True)
+    while not stop.wait(1.0):
+        if server.process.poll() is not None:
+            print(f"trtllm-dustin: error: tritonserver exited with {server.process.returncode}; see {log}",
+                  file=sys.stderr)
+            return 1
+    print("stopping tritonserver (SIGTERM: the models unload, running requests end)", flush=True)
+    server.stop()
+    print("stopped", flush=True)
+    return 0
+
+
+def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None, str | None, DustinConfig | None]:
+    """triton-repo without an engine: open every model it will serve (configs only) and check what `generate` checks
+    (the models exist and open, the device, --max-seq-len against their positions, weights + the caches of every
+    served method against free memory, the drafter and the Dustin config against the models), with the same
+    defaults for the default model (its packaged draft, Dustin config and LongSpark drafter). Returns the model,
+    draft and LongSpark specs with file paths made absolute (the server starts elsewhere) and the Dustin config."""
+    import torch
+
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.dustin_config import DustinConfig
+    from trtllm_dustin.kv_cache import KVCache, check_fits
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, longspark_config
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.runtime.methods import METHODS
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible here; write the repository on the machine that "
+                         "serves it, or use --device cpu")
+    dtype = getattr(torch, _dtype_name(args.dtype, device.type))
+    default_model = args.model in (None, DEFAULT_MODEL)
+    target = _open("target", args.model, args.seed)
+    models = [("target", target, dtype, len(args.method))]
+    needing = [m for m in args.method if METHODS[m].needs_draft]
+    if needing:
+        if args.draft is None:
+            if not default_model:
+                raise ConfigError(f"methods {needing} need a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
+            args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
+        models.append(("draft", _open("draft", args.draft, args.seed + 1),
+                       draft_kv_dtype(args.draft_kv_cache, dtype), len(needing)))
+    if any(METHODS[m].needs_longspark for m in args.method):
+        if args.longspark is None:
+            if not default_model:
+                raise ConfigError("the longspark methods need --longspark DIR (from `trtllm-dustin train-longspark`), "
+                                  "or --longspark random for random weights")
+            args.longspark = DEFAULT_LONGSPARK
+        spark = longspark_config(args.longspark)
+        if spark is not None:
+            spark.check_target(target.config)
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    needing = [m for m in args.method if METHODS[m].needs_dustin]
+    if needing and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
+        dustin = DustinConfig.load(default_dustin_config_path())  # searched for the packaged pair
+    if needing and dustin is None:
+        raise ConfigError(f"methods {needing} need --dustin-config FILE (SRH heads, budget, m); write one for this "
+                          "target/draft pair with `trtllm-dustin search`")
+    if dustin is not None:
+        dustin.check_models(target.config, models[1][1].config if len(models) > 1 else None)
+    for role, checkpoint, _, _ in models:
+        positions = checkpoint.config.max_position_embeddings
+        if args.max_seq_len > positions:
+            raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the {role}'s {positions} positions "
+                             f"({checkpoint.config.name}); lower it")
+    weights = sum(checkpoint.config.num_parameters() * dtype.itemsize for _, checkpoint, _, _ in models)
+    caches = sum(copies * KVCache.nbytes_for(checkpoint.config, args.max_batch, args.max_seq_len, kv)
+                 for _, checkpoint, kv, copies in models)
+    check_fits(f"the repository's model (weights {weights / 2**30:.2f} GiB + KV caches of {len(args.method)} "
+               f"method(s) x {args.max_batch} x {args.max_seq_len} tokens {caches / 2**30:.2f} GiB)", weights + caches,
+               device)
+
+    def absolute(spec: str | None) -> str | None:
+        named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK)
+        return spec if spec in named or spec.startswith("preset:") else str(Path(spec).expanduser().resolve())
+
+    return absolute(args.model), absolute(args.draft), absolute(args.longspark), dustin
 
 
 def main(argv: list[str] | None = None) -> int:

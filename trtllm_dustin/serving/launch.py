@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -100,30 +101,46 @@ class TritonServer:
 
     def __init__(self, repository: str | Path, server_dir: str | Path, log_path: str | Path,
                  python_env: str | Path = sys.prefix, start_timeout_s: float = 180.0, stop_timeout_s: float = 60.0,
-                 exit_timeout_s: float = 15.0, extra_args: tuple[str, ...] = ()) -> None:
+                 exit_timeout_s: float = 15.0, extra_args: tuple[str, ...] = (), address: str = "127.0.0.1",
+                 http_port: int = 0, grpc_port: int = 0) -> None:
         self.repository, self.server_dir = Path(repository).resolve(), Path(server_dir).resolve()
         self.log_path, self.python_env = Path(log_path), Path(python_env)
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.exit_timeout_s = exit_timeout_s  # Triton's own wait for open connections and running requests at exit
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
+        self.address = address  # the interface both endpoints bind (127.0.0.1: this machine only)
+        self.requested_ports = (http_port, grpc_port)  # 0: an ephemeral port, picked at start
         self.http_port = self.grpc_port = 0
 
     @property
+    def host(self) -> str:
+        """Where clients on this machine reach the server (a wildcard bind is reached on 127.0.0.1)."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "::") else self.address
+
+    @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        paths = [env.get("LD_LIBRARY_PATH")]
         try:
             _, libs = pytriton_distribution()
-            env["LD_LIBRARY_PATH"] = ":".join(p for p in (env.get("LD_LIBRARY_PATH"), str(libs)) if p)
+            paths.append(str(libs))
         except ServerError:
             pass  # a stock server brings its own libraries
+        # The backend stub links libpython3.X.so by name: put this interpreter's own first, so that the extension
+        # modules it imports (_ssl, ...) were built for the libpython that runs them. A system libpython of another
+        # patch release fails them (`_ssl...so: undefined symbol: _PyModule_Add` under a pyenv 3.11.7 with Debian's
+        # 3.11.2 library), and with them every model that imports the Hugging Face stack.
+        if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+            paths.insert(0, sysconfig.get_config_var("LIBDIR"))
+        env["LD_LIBRARY_PATH"] = ":".join(p for p in paths if p)
         env["PATH"] = f"{self.python_env / 'bin'}:{env.get('PATH', '')}"
         return env
 
@@ -131,14 +148,14 @@ class TritonServer:
         return [str(self.server_dir / "bin" / "tritonserver"), "--model-repository", str(self.repository),
                 "--backend-directory", str(self.server_dir / "backends"),
                 "--cache-directory", str(self.server_dir / "caches"),
-                "--http-address", "127.0.0.1", "--http-port", str(self.http_port),
-                "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                "--http-address", self.address, "--http-port", str(self.http_port),
+                "--grpc-address", self.address, "--grpc-port", str(self.grpc_port),
                 "--allow-metrics", "false", "--exit-on-error", "true", "--strict-readiness", "true",
                 "--exit-timeout-secs", str(int(self.exit_timeout_s)),
                 *self.extra_args]
 
     def start(self) -> TritonServer:
-        self.http_port, self.grpc_port = free_port(), free_port()
+        self.http_port, self.grpc_port = (port or free_port() for port in self.requested_ports)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
