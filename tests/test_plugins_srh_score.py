@@ -101,7 +101,7 @@ CPU_SHAPES = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("length", [1, 7, 1000, 4097])
+@pytest.mark.parametrize("length", [1, 7, 1000, 2049])  # the GPU sweep below also runs 4097
 @pytest.mark.parametrize("group, t, head_dim, dtype, head_ids", CPU_SHAPES)
 def test_matches_reference(length, group, t, head_dim, dtype, head_ids):
     check(length, t, 2, group, head_dim, dtype, head_ids)
