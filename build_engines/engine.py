@@ -32,7 +32,6 @@ import torch
 
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
-from trtllm_dustin.models.errors import ModelLoadError
 
 __all__ = ["ENGINE_FORMAT_VERSION", "EngineError", "EngineLimits", "EngineManifest", "OpenedEngine", "build_engine",
            "engine_tactics", "layer_split", "open_engine"]
@@ -306,7 +305,7 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
     tuned for another GPU is used with the packaged tactic table (and a note says so)."""
     from functools import partial
 
-    from trtllm_dustin.models.loading import Checkpoint
+    from trtllm_dustin.models.loading import Checkpoint, iter_safetensors
 
     directory, device = Path(directory), torch.device(device)
     path = directory / "manifest.json"
@@ -351,7 +350,7 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
     def shard(role: str) -> Checkpoint:
         file = directory / "rank0" / f"{role}.safetensors"
         return Checkpoint(configs[role], tokenizer, f"{directory}/{file.relative_to(directory)}", about,
-                          partial(_iter_shard, file), native=True)
+                          partial(iter_safetensors, [file], fix="rebuild the engine"), native=True)
 
     tactics, notes = engine_tactics(directory, manifest,
                                     torch.cuda.get_device_name(device) if device.type == "cuda" else None)
@@ -386,13 +385,3 @@ def _check_memory(directory: Path, manifest: EngineManifest, configs: dict[str, 
     except MemoryPlanError as e:
         raise EngineError(f"{e}; or rebuild the engine with a smaller --max-batch / --max-seq-len") from None
 
-
-def _iter_shard(file: Path, device: torch.device):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ModelLoadError(f"{file} is unreadable ({e}); rebuild the engine") from e

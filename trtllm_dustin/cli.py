@@ -492,11 +492,8 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from trtllm_dustin.attention import get_backend
-    from trtllm_dustin.config import ConfigError
-    from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.kv_cache import KVCache
-    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, load_longspark, longspark_config
-    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.models.longspark import load_longspark
     from trtllm_dustin.plugins.kernel_config import KernelConfig
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.generation import GenerationConfig
@@ -511,49 +508,17 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
     method = METHODS[args.method]
     speculative = method.speculative
-    default_model = args.model in (None, DEFAULT_MODEL) and args.engine is None
 
     # ---- open every model (configs, tokenizer) and check every limit; no weight is read yet
     engine = _open_engine(args, device, method) if args.engine is not None else None
     if engine is not None:
         dtype = engine.manifest.limits.torch_dtype
     target = _open("target", args.model, args.seed, engine)
-    models = [("target", target)]
-    kv_dtypes = [dtype]
-    draft = None
-    if method.needs_draft:
-        if args.draft is None and engine is None:
-            if not default_model:
-                raise ConfigError(f"--method {args.method} needs --draft DIR|FILE.gguf|preset:NAME")
-            args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
-        draft = _open("draft", args.draft, args.seed + 1, engine)
+    draft, dustin = _open_drafters(args, [args.method], target, engine)
+    models, kv_dtypes = [("target", target)], [dtype]
+    if draft is not None:
         models.append(("draft", draft))
         kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
-    if method.needs_longspark:
-        if args.longspark is None:
-            if not default_model:
-                raise ConfigError(f"--method {args.method} needs --longspark DIR (from `trtllm-dustin "
-                                  "train-longspark`), or --longspark random for random weights")
-            args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
-        spark = longspark_config(args.longspark)
-        if spark is not None:
-            spark.check_target(target.config)
-        print(f"LongSpark drafter: {args.longspark}" + (" (random weights at the target's shape)" if spark is None
-              else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
-              flush=True)
-    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
-    if engine is not None:
-        dustin, args.dustin_config = engine.dustin, engine.directory / "dustin.json"
-    if method.needs_dustin and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
-        args.dustin_config = default_dustin_config_path()  # searched for the packaged pair
-        dustin = DustinConfig.load(args.dustin_config)
-    if method.needs_dustin and dustin is None:
-        raise ConfigError(f"--method {args.method} needs --dustin-config FILE (SRH heads, budget, m); write one for "
-                          "this target/draft pair with `trtllm-dustin search`")
-    if dustin is not None:
-        dustin.check_models(target.config, draft.config if draft is not None else None)
-        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}; fingerprints match)",
-              flush=True)
     prompt = _prompt_ids(args, target)
     lookahead = args.gamma if speculative else 0
     max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype)
@@ -668,6 +633,56 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpoint,
+                   engine: OpenedEngine | None = None) -> tuple[Checkpoint | None, DustinConfig | None]:
+    """What the methods need beside the target, opened and checked against it (no weight is read): the draft, the
+    LongSpark drafter's config and the Dustin config, with the default model's packaged ones when none is named (an
+    engine brings its own). Records the choice in args.draft / args.longspark / args.dustin_config."""
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.dustin_config import DustinConfig
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, longspark_config
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.runtime.methods import METHODS
+
+    default_model = args.model in (None, DEFAULT_MODEL) and engine is None
+    draft = None
+    needing = [m for m in methods if METHODS[m].needs_draft]
+    if needing:
+        if args.draft is None and engine is None:
+            if not default_model:
+                raise ConfigError(f"methods {needing} need a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
+            args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
+        draft = _open("draft", args.draft, args.seed + 1, engine)
+    needing = [m for m in methods if METHODS[m].needs_longspark]
+    if needing:
+        if args.longspark is None:
+            if not default_model:
+                raise ConfigError(f"methods {needing} need --longspark DIR (from `trtllm-dustin train-longspark`), "
+                                  "or --longspark random for random weights")
+            args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
+        spark = longspark_config(args.longspark)
+        if spark is not None:
+            spark.check_target(target.config)
+        print(f"LongSpark drafter: {args.longspark}" + (" (random weights at the target's shape)" if spark is None
+              else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
+              flush=True)
+    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    if engine is not None:
+        dustin, args.dustin_config = engine.dustin, engine.directory / "dustin.json"
+    needing = [m for m in methods if METHODS[m].needs_dustin]
+    if needing and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
+        args.dustin_config = default_dustin_config_path()  # searched for the packaged pair
+        dustin = DustinConfig.load(args.dustin_config)
+    if needing and dustin is None:
+        raise ConfigError(f"methods {needing} need --dustin-config FILE (SRH heads, budget, m); write one for this "
+                          "target/draft pair with `trtllm-dustin search`")
+    if dustin is not None:
+        dustin.check_models(target.config, draft.config if draft is not None else None)
+        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}; fingerprints match)",
+              flush=True)
+    return draft, dustin
+
+
 def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None, str | None, DustinConfig | None]:
     """triton-repo without an engine: open every model it will serve (configs only) and check what `generate` checks
     (the models exist and open, the device, --max-seq-len against their positions, weights + the caches of every
@@ -676,11 +691,9 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
     draft and LongSpark specs with file paths made absolute (the server starts elsewhere) and the Dustin config."""
     import torch
 
-    from trtllm_dustin.config import ConfigError
-    from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.kv_cache import KVCache, check_fits
-    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, longspark_config
-    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.methods import METHODS
 
@@ -689,35 +702,12 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
         raise ValueError("--device cuda but no CUDA device is visible here; write the repository on the machine that "
                          "serves it, or use --device cpu")
     dtype = getattr(torch, _dtype_name(args.dtype, device.type))
-    default_model = args.model in (None, DEFAULT_MODEL)
     target = _open("target", args.model, args.seed)
+    draft, dustin = _open_drafters(args, args.method, target)
     models = [("target", target, dtype, len(args.method))]
-    needing = [m for m in args.method if METHODS[m].needs_draft]
-    if needing:
-        if args.draft is None:
-            if not default_model:
-                raise ConfigError(f"methods {needing} need a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
-            args.draft = DEFAULT_DRAFT  # the packaged draft distilled for the default model
-        models.append(("draft", _open("draft", args.draft, args.seed + 1),
-                       draft_kv_dtype(args.draft_kv_cache, dtype), len(needing)))
-    if any(METHODS[m].needs_longspark for m in args.method):
-        if args.longspark is None:
-            if not default_model:
-                raise ConfigError("the longspark methods need --longspark DIR (from `trtllm-dustin train-longspark`), "
-                                  "or --longspark random for random weights")
-            args.longspark = DEFAULT_LONGSPARK
-        spark = longspark_config(args.longspark)
-        if spark is not None:
-            spark.check_target(target.config)
-    dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
-    needing = [m for m in args.method if METHODS[m].needs_dustin]
-    if needing and dustin is None and default_model and args.draft in (None, DEFAULT_DRAFT):
-        dustin = DustinConfig.load(default_dustin_config_path())  # searched for the packaged pair
-    if needing and dustin is None:
-        raise ConfigError(f"methods {needing} need --dustin-config FILE (SRH heads, budget, m); write one for this "
-                          "target/draft pair with `trtllm-dustin search`")
-    if dustin is not None:
-        dustin.check_models(target.config, models[1][1].config if len(models) > 1 else None)
+    if draft is not None:
+        models.append(("draft", draft, draft_kv_dtype(args.draft_kv_cache, dtype),
+                       sum(METHODS[m].needs_draft for m in args.method)))
     for role, checkpoint, _, _ in models:
         positions = checkpoint.config.max_position_embeddings
         if args.max_seq_len > positions:

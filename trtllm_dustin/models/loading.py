@@ -36,8 +36,8 @@ from trtllm_dustin.models.packaged import (
 from trtllm_dustin.models.presets import get_preset
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_MODEL", "Checkpoint", "LoadedModel", "ModelLoadError", "copy_native",
-           "default_draft_path", "default_dustin_config_path", "default_gguf_path", "load_model", "native_tensors",
-           "open_model", "save_hf_checkpoint"]
+           "default_draft_path", "default_dustin_config_path", "default_gguf_path", "iter_safetensors", "load_model",
+           "native_tensors", "open_model", "save_hf_checkpoint"]
 
 SHARED_KEY = "dustin_shares_target_embedding"  # config.json flag: embedding/output rows come from the target
 HEAD_IDS = "dustin.head_ids"  # safetensors name of a subset head's vocabulary ids
@@ -306,7 +306,9 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], device: torch.device, fix: str = "re-download or re-save it"
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files, loaded onto `device`; an unreadable file names itself and `fix`."""
     from safetensors import SafetensorError, safe_open
 
     for path in files:
@@ -315,7 +317,7 @@ def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"{path} is corrupt or unreadable ({e}); re-download or re-save it") from e
+            raise ModelLoadError(f"{path} is corrupt or unreadable ({e}); {fix}") from e
 
 
 def _open_hf_dir(directory: Path) -> Checkpoint:
@@ -333,7 +335,7 @@ def _open_hf_dir(directory: Path) -> Checkpoint:
     if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(directory)
     return Checkpoint(config, tokenizer, str(directory), f"safetensors, {len(files)} file(s)",
-                      partial(_iter_safetensors, files), shared=bool(getattr(hf_config, SHARED_KEY, False)))
+                      partial(iter_safetensors, files), shared=bool(getattr(hf_config, SHARED_KEY, False)))
 
 
 def _open_gguf(path: Path) -> Checkpoint:
