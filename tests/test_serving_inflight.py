@@ -4,6 +4,7 @@ generate(), whatever shares the batch; streaming pieces, stop strings, errors an
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,47 @@ def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:
 def test_engine_refuses_bad_requests_clearly(engine: ServingEngine, request_: GenerationRequest, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         engine.submit(request_, lambda chunk: None)
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_go_on(engine: ServingEngine, capfd) -> None:
+    """A streaming request whose client goes away after two pieces (its `cancelled()` turns true), one that is
+    cancelled while it still waits, and one whose transport fails on sending: each is dropped (a final CANCELLED
+    chunk, the slot freed, a log line), and the request running beside them answers exactly."""
+    batcher = engine.batchers["classic"]
+    gone, chunks, done = threading.Event(), [], threading.Event()
+
+    def on_chunk(chunk) -> None:
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            gone.set()
+        if chunk.final:
+            done.set()
+
+    long = GenerationRequest(prompt_text(40, 9), 60, method="classic", stream=True)
+    engine.submit(long, on_chunk, cancelled=gone.is_set)
+    never_admitted = threading.Event()
+    waiting = [GenerationRequest(prompt_text(41, 5), 30, method="classic") for _ in range(SERVED.max_batch + 1)]
+    waiting_done = [threading.Event() for _ in waiting]
+    for request, event in zip(waiting, waiting_done, strict=True):  # more than the free slots: the last one waits
+        engine.submit(request, lambda c, event=event: c.final and event.set(), cancelled=never_admitted.is_set)
+    never_admitted.set()  # every one of them is cancelled now, running or waiting
+
+    def failing(chunk) -> None:
+        raise ConnectionResetError("the client closed the connection")
+
+    engine.submit(GenerationRequest(prompt_text(42, 6), 60, method="classic", stream=True), failing)
+    [other] = _run(engine, [GenerationRequest(prompt_text(43, 7), 12, method="classic")])
+    assert other[-1].error is None and other[-1].text == direct_text("classic", prompt_text(43, 7), 12)
+    assert done.wait(60) and all(event.wait(60) for event in waiting_done)
+    assert chunks[-1].final and chunks[-1].cancelled and chunks[-1].error == "the request was cancelled"
+    assert len(chunks) <= 4 and chunks[-1].stats.generated_tokens < 60  # it did not run to its limit
+    deadline = time.monotonic() + 30
+    while batcher.free_slots < batcher.batch_slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert batcher.free_slots == batcher.batch_slots  # every slot is free again
+    log = capfd.readouterr().err
+    assert log.count("cancelled by its client") >= 1 + len(waiting)
+    assert "sending a response failed (ConnectionResetError" in log and "waiting freed" in log
 
 
 def test_engine_queue_bound() -> None:

@@ -611,7 +611,7 @@ def _serve(args: argparse.Namespace) -> int:
         prepare_pytriton_server(args.server_dir)
     log = args.log or args.repo.resolve().parent / "serve.log"
     server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
-                          http_port=args.http_port, grpc_port=args.grpc_port)
+                          http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -620,8 +620,21 @@ def _serve(args: argparse.Namespace) -> int:
         server.start()
     except ServerError as e:
         raise ValueError(str(e)) from None
-    print(f"ready: HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: docs/serving.md); Ctrl-C stops "
-          "it", flush=True)
+    # A model that fails to load is reported, and the others are served; with none loaded there is nothing to serve.
+    states = server.model_states()
+    ready = [name for name, (state, _) in sorted(states.items()) if state == "READY"]
+    for name, (state, reason) in sorted(states.items()):
+        if state != "READY":
+            reason = reason.split("\n\nAt:")[0].strip()  # the Python backend appends the traceback's frames
+            print(f"trtllm-dustin: error: model {name} failed to load ({state}): {reason} (log: {log})",
+                  file=sys.stderr, flush=True)
+    if not ready:
+        server.stop()
+        print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
+              file=sys.stderr)
+        return 1
+    print(f"ready: {', '.join(ready)} on HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: "
+          "docs/serving.md); Ctrl-C stops it", flush=True)
     while not stop.wait(1.0):
         if server.process.poll() is not None:
             print(f"trtllm-dustin: error: tritonserver exited with {server.process.returncode}; see {log}",

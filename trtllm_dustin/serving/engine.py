@@ -1,8 +1,13 @@
 """The serving engine: a bounded request queue in front of one in-flight batcher per served method.
 
-    submit(request, on_chunk)   validate, encode, queue (or refuse: QueueFullError)
-    scheduler thread            admit waiting requests into free slots -> step every busy batcher -> stream
-                                each request's new text -> release finished slots
+    submit(request, on_chunk, cancelled)
+                                validate, encode, queue (or refuse: QueueFullError)
+    scheduler thread            drop cancelled requests -> admit waiting requests into free slots -> step every
+                                busy batcher -> stream each request's new text -> release finished slots
+
+A request is cancelled when its `cancelled()` says so (Triton: the client closed its stream or disconnected) or when
+sending it a response fails: its slot is freed before the next step, it gets a final CANCELLED chunk, and the log
+says which request went and after how many tokens.
 
 Independent of Triton: the Python-backend model (triton_model.py) only converts tensors to GenerationRequests
 and ResponseChunks to responses, so this file is tested in-process too.
@@ -10,6 +15,7 @@ and ResponseChunks to responses, so this file is tested in-process too.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -17,6 +23,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -27,14 +34,19 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+from trtllm_dustin.runtime.decoder import Decoder
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
 
-__all__ = ["GenerationRequest", "QueueFullError", "RequestError", "RequestStats", "ResponseChunk", "ServingEngine"]
+__all__ = ["DRAIN_FILE_ENV", "GenerationRequest", "QueueFullError", "RequestError", "RequestStats", "ResponseChunk",
+           "ServedDecoders", "ServingEngine", "served_decoders"]
 
+# Set by the launcher (launch.py) in the server's environment: the file it writes when the server is told to stop,
+# holding the seconds running requests get to finish before they are cut (so that Triton's own exit wait ends cleanly).
+DRAIN_FILE_ENV = "TRTLLM_DUSTIN_DRAIN_FILE"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_SEED = 2**63 - 2  # generate() seeds its first-token generator with seed + 1, which must fit an int64
 
@@ -86,6 +98,7 @@ class ResponseChunk:
     final: bool
     stats: RequestStats
     error: str | None = None
+    cancelled: bool = False  # the final chunk of a cancelled request (its error says so)
 
 
 @dataclass
@@ -97,10 +110,13 @@ class _Job:
     detok: IncrementalDetokenizer
     stops: StopStrings
     stats: RequestStats
+    cancelled: Callable[[], bool] | None = None  # the transport's "has the client gone?"
+    number: int = 0  # the engine's request number, for the log
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float = 0.0
     slot: int = -1
     text: list[str] = field(default_factory=list)  # non-streaming: pieces so far
+    gone: bool = False  # sending to it failed: drop it before the next step
 
 
 class ServingEngine:
@@ -113,61 +129,20 @@ class ServingEngine:
         self._running: dict[tuple[str, int], _Job] = {}
         self._cv = threading.Condition()
         self._stopping = False
+        self._submitted = 0
+        self.cancelled_requests = 0  # requests dropped because their client went away
+        self.drain_file = os.environ.get(DRAIN_FILE_ENV)
+        self._drain_deadline: float | None = None  # set once the server is stopping: running requests end by then
         self._thread = threading.Thread(target=self._loop, name="dustin-scheduler", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, config: ServingConfig) -> ServingEngine:
-        device = torch.device(config.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda but no CUDA device is visible; regenerate the repository with --device cpu")
-        dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        speculative = any(METHODS[m].needs_draft for m in config.methods)
-        needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
-        kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
-        dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
-        if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
-            engine = open_engine(config.engine, device=device)
-            missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
-                                                        ("a LongSpark drafter", needs_spark, engine.longspark),
-                                                        ("a Dustin config", any(METHODS[m].needs_dustin for m in
-                                                                                config.methods), engine.dustin))
-                       if needed and not there]
-            if missing:
-                raise ValueError(f"the methods {list(config.methods)} need {missing[0]}; the engine {config.engine} "
-                                 "has none: rebuild it with it")
-            dtype, dustin, draft_kv_cache = engine.manifest.limits.torch_dtype, engine.dustin, \
-                engine.manifest.limits.draft_kv_cache
-            loaded = engine.target.load(device, dtype)
-            draft = engine.draft.load(device, dtype).model if speculative else None
-            spark_spec = str(engine.longspark) if needs_spark else None
-            if engine.tactics is not None:
-                kernels = replace(kernels, linear_tactics=str(engine.tactics))
-        else:
-            loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
-            draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
-                               share_with=loaded.model).model if speculative else None
-        longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
-        backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
-        batchers = {}
-        for method in config.methods:
-            needs_draft = METHODS[method].needs_draft
-            target_cache = KVCache.allocate(loaded.model.config, config.max_batch, config.max_seq_len, dtype, device)
-            draft_cache = KVCache.allocate(draft.config, config.max_batch, config.max_seq_len,
-                                           draft_kv_dtype(draft_kv_cache, dtype), device) \
-                if needs_draft else None
-            decoder = build_decoder(method, MethodSetup(
-                target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
-                draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=dustin,
-                longspark=longspark, use_cuda_graph=config.use_cuda_graph, kernels=kernels))
-            batchers[method] = InflightBatcher(decoder, loaded.model.config.eos_token_ids, config.prefill_chunk)
-        # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
-        # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.
-        vocab = loaded.model.config.vocab_size if draft is None else min(loaded.model.config.vocab_size,
-                                                                         draft.config.vocab_size)
-        codec = codec_for(loaded.tokenizer, vocab, config.chat_template)
-        engine = cls(config, batchers, codec, vocab)
-        if device.type == "cuda":
+        served = served_decoders(config)
+        batchers = {method: InflightBatcher(decoder, served.eos_token_ids, config.prefill_chunk)
+                    for method, decoder in served.decoders.items()}
+        engine = cls(config, batchers, served.codec, served.vocab_size)
+        if served.device.type == "cuda":
             engine.warm_up()
         return engine
 
@@ -190,8 +165,10 @@ class ServingEngine:
                 raise RuntimeError(f"warm-up of method {method} failed: {errors or f'no answer in {timeout_s} s'}")
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, on_chunk: Callable[[ResponseChunk], None]) -> None:
+    def submit(self, request: GenerationRequest, on_chunk: Callable[[ResponseChunk], None],
+               cancelled: Callable[[], bool] | None = None) -> None:
         """Queue a request; `on_chunk` is called from the scheduler thread with its pieces, the last one final.
+        `cancelled` (optional) is asked before every step whether the client has gone; then the request is dropped.
 
         Raises RequestError for a request that cannot run and QueueFullError when the queue is at its bound."""
         method = request.method or self.config.method
@@ -213,15 +190,17 @@ class ServingEngine:
         except ValueError as e:
             raise RequestError(str(e).replace("--max-new-tokens", "max_tokens")) from e
         job = _Job(request, method, slot_request, on_chunk, IncrementalDetokenizer(self.codec),
-                   StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)))
+                   StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)), cancelled)
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._drain_deadline is not None:
                 raise QueueFullError("the server is shutting down; send the request to another instance")
             if len(self._waiting) >= self.config.queue_size:
                 busy = sum(b.batch_slots - b.free_slots for b in self.batchers.values())
                 raise QueueFullError(f"the request queue is full ({len(self._waiting)} waiting, {busy} slots busy); "
                                      "retry later, or regenerate the repository with a larger --queue-size or "
                                      "--max-batch")
+            self._submitted += 1
+            job.number = self._submitted
             self._waiting.append(job)
             self._cv.notify()
 
@@ -253,6 +232,8 @@ class ServingEngine:
                     self._cv.wait(timeout=1.0)
                 if self._stopping:
                     return
+                self._drain()
+                self._drop_cancelled()
                 admit = self._take_admissible()
             for job in admit:
                 self._admit(job)
@@ -264,7 +245,62 @@ class ServingEngine:
                         self._fail_running(method, e)
                         continue
                     for update in updates:
-                        self._deliver(self._running[(method, update.slot)], update)
+                        job = self._running.get((method, update.slot))
+                        if job is not None:  # None: dropped earlier in this step (its client went away)
+                            self._deliver(job, update)
+
+    def _drain(self) -> None:
+        """When the launcher says the server is stopping (DRAIN_FILE_ENV): refuse what waits, give the running requests
+        the grace period the file names, then cut them with an error (called under the lock)."""
+        if self.drain_file is None:
+            return
+        now = time.perf_counter()
+        if self._drain_deadline is None:
+            try:
+                grace = float(Path(self.drain_file).read_text() or 10)
+            except (OSError, ValueError):
+                return  # not stopping (or the file is being written: seen at the next step)
+            self._drain_deadline = now + grace
+            print(f"dustin: the server is stopping: {len(self._running)} running request(s) get {grace:.0f} s to "
+                  f"finish, {len(self._waiting)} waiting one(s) are refused", file=sys.stderr, flush=True)
+            for job in self._waiting:
+                _send(job, ResponseChunk("", True, job.stats, error="the server is shutting down; the request was not "
+                                         "started, send it to another instance"))
+            self._waiting.clear()
+        if now < self._drain_deadline or not self._running:
+            return
+        for key, job in list(self._running.items()):
+            del self._running[key]
+            self.batchers[job.method].release(job.slot)
+            print(f"dustin: request {job.number} ({job.method}) cut after {job.stats.generated_tokens} tokens: the "
+                  "server is stopping", file=sys.stderr, flush=True)
+            _send(job, ResponseChunk("", True, job.stats, error=f"the server is shutting down; the request was cut "
+                                     f"after {job.stats.generated_tokens} tokens"))
+
+    def _drop_cancelled(self) -> None:
+        """Free the slots of requests whose client has gone, and forget waiting ones (called under the lock)."""
+        for job in [*self._waiting, *self._running.values()]:
+            if not job.gone:
+                try:
+                    job.gone = bool(job.cancelled is not None and job.cancelled())
+                except Exception:  # noqa: BLE001 - a transport that cannot tell is treated as still there
+                    job.gone = False
+            if not job.gone:
+                continue
+            where = "waiting"
+            if job in self._waiting:
+                self._waiting.remove(job)
+            else:
+                del self._running[(job.method, job.slot)]
+                self.batchers[job.method].release(job.slot)
+                where = f"slot {job.slot}"
+            self.cancelled_requests += 1
+            print(f"dustin: request {job.number} ({job.method}) cancelled by its client after "
+                  f"{job.stats.generated_tokens} tokens; {where} freed", file=sys.stderr, flush=True)
+            try:  # Triton still wants the final response of a cancelled request; its client will not read it
+                job.on_chunk(ResponseChunk("", True, job.stats, error="the request was cancelled", cancelled=True))
+            except Exception:  # noqa: BLE001 - expected when the connection is already closed
+                pass
 
     def _take_admissible(self) -> list[_Job]:
         """Waiting jobs that have a free slot of their method, oldest first (called under the lock)."""
@@ -283,6 +319,8 @@ class ServingEngine:
         try:
             slot, update = batcher.admit(job.slot_request)
         except Exception as e:  # noqa: BLE001 - the client gets the error; other requests are unaffected
+            print(f"dustin: request {job.number} ({job.method}): prefill failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
             _send(job, ResponseChunk("", True, job.stats, error=f"prefill failed: {type(e).__name__}: {e}"))
             return
         job.slot = slot
@@ -318,17 +356,86 @@ class ServingEngine:
             del self._running[(job.method, job.slot)]
         if job.request.stream:
             if text or done:
-                _send(job, ResponseChunk(text, done, stats))
+                job.gone = not _send(job, ResponseChunk(text, done, stats)) and not done
         else:
             job.text.append(text)
             if done:
                 _send(job, ResponseChunk("".join(job.text), True, stats))
 
 
-def _send(job: _Job, chunk: ResponseChunk) -> None:
-    """Hand a chunk to the transport; a failing client (gone, cancelled) must not stop the scheduler."""
+def _send(job: _Job, chunk: ResponseChunk) -> bool:
+    """Hand a chunk to the transport; a failing client (gone, cancelled) must not stop the scheduler. False when
+    sending failed (the request is then dropped before the next step)."""
     try:
         job.on_chunk(chunk)
-    except Exception:  # noqa: BLE001 - logged with its traceback; the other requests go on
-        print(f"dustin: sending a response failed (request {job.request.text[:32]!r}...):", file=sys.stderr)
-        traceback.print_exc()
+        return True
+    except Exception as e:  # noqa: BLE001 - logged; the other requests go on
+        print(f"dustin: request {job.number} ({job.method}): sending a response failed ({type(e).__name__}: {e}); "
+              "its client has probably gone", file=sys.stderr, flush=True)
+        if not isinstance(e, (ConnectionError, OSError)):
+            traceback.print_exc()
+        return False
+
+
+@dataclass
+class ServedDecoders:
+    """What a ServingConfig builds: one decoder per served method over the models loaded once, and the text codec."""
+
+    decoders: dict[str, Decoder]
+    codec: TextCodec
+    vocab_size: int  # prompt ids must be below it (the smaller of the target's and the draft's tables)
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+
+
+def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> ServedDecoders:
+    """Load the models of `config` and build each served method's decoder with `batch_slots` slots (default
+    config.max_batch): the serving engine's own construction, also what the tests run `generate()` on."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda but no CUDA device is visible; regenerate the repository with --device cpu")
+    slots = batch_slots or config.max_batch
+    dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    speculative = any(METHODS[m].needs_draft for m in config.methods)
+    needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
+    kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
+    dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
+    if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
+        engine = open_engine(config.engine, device=device)
+        missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
+                                                    ("a LongSpark drafter", needs_spark, engine.longspark),
+                                                    ("a Dustin config", any(METHODS[m].needs_dustin for m in
+                                                                            config.methods), engine.dustin))
+                   if needed and not there]
+        if missing:
+            raise ValueError(f"the methods {list(config.methods)} need {missing[0]}; the engine {config.engine} "
+                             "has none: rebuild it with it")
+        dtype, dustin, draft_kv_cache = engine.manifest.limits.torch_dtype, engine.dustin, \
+            engine.manifest.limits.draft_kv_cache
+        loaded = engine.target.load(device, dtype)
+        draft = engine.draft.load(device, dtype).model if speculative else None
+        spark_spec = str(engine.longspark) if needs_spark else None
+        if engine.tactics is not None:
+            kernels = replace(kernels, linear_tactics=str(engine.tactics))
+    else:
+        loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
+        draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
+                           share_with=loaded.model).model if speculative else None
+    longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
+    backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
+    decoders = {}
+    for method in config.methods:
+        needs_draft = METHODS[method].needs_draft
+        target_cache = KVCache.allocate(loaded.model.config, slots, config.max_seq_len, dtype, device)
+        draft_cache = KVCache.allocate(draft.config, slots, config.max_seq_len, draft_kv_dtype(draft_kv_cache, dtype),
+                                       device) if needs_draft else None
+        decoders[method] = build_decoder(method, MethodSetup(
+            target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
+            draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=dustin,
+            longspark=longspark, use_cuda_graph=config.use_cuda_graph, kernels=kernels))
+    # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
+    # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.
+    vocab = loaded.model.config.vocab_size if draft is None else min(loaded.model.config.vocab_size,
+                                                                     draft.config.vocab_size)
+    return ServedDecoders(decoders, codec_for(loaded.tokenizer, vocab, config.chat_template), vocab,
+                          tuple(loaded.model.config.eos_token_ids), device)

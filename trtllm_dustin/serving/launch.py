@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -102,7 +103,7 @@ class TritonServer:
     def __init__(self, repository: str | Path, server_dir: str | Path, log_path: str | Path,
                  python_env: str | Path = sys.prefix, start_timeout_s: float = 180.0, stop_timeout_s: float = 60.0,
                  exit_timeout_s: float = 15.0, extra_args: tuple[str, ...] = (), address: str = "127.0.0.1",
-                 http_port: int = 0, grpc_port: int = 0) -> None:
+                 http_port: int = 0, grpc_port: int = 0, keep_going: bool = False) -> None:
         self.repository, self.server_dir = Path(repository).resolve(), Path(server_dir).resolve()
         self.log_path, self.python_env = Path(log_path), Path(python_env)
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
@@ -112,6 +113,12 @@ class TritonServer:
         self.address = address  # the interface both endpoints bind (127.0.0.1: this machine only)
         self.requested_ports = (http_port, grpc_port)  # 0: an ephemeral port, picked at start
         self.http_port = self.grpc_port = 0
+        # keep_going: a model that fails to load leaves the server serving the others (model_states() says which
+        # failed and why); otherwise the server exits at start, and start() raises with its log.
+        self.keep_going = keep_going
+        # Written at stop(): the serving engines then give running requests exit_timeout_s - 5 s and cut the rest,
+        # so that Triton's exit wait ends with every model unloaded (finalize() run) instead of its forced exit.
+        self.drain_file = self.server_dir / f".stopping-{os.getpid()}-{id(self):x}"
 
     @property
     def host(self) -> str:
@@ -142,6 +149,7 @@ class TritonServer:
             paths.insert(0, sysconfig.get_config_var("LIBDIR"))
         env["LD_LIBRARY_PATH"] = ":".join(p for p in paths if p)
         env["PATH"] = f"{self.python_env / 'bin'}:{env.get('PATH', '')}"
+        env["TRTLLM_DUSTIN_DRAIN_FILE"] = str(self.drain_file)  # serving/engine.py DRAIN_FILE_ENV
         return env
 
     def command(self) -> list[str]:
@@ -150,12 +158,14 @@ class TritonServer:
                 "--cache-directory", str(self.server_dir / "caches"),
                 "--http-address", self.address, "--http-port", str(self.http_port),
                 "--grpc-address", self.address, "--grpc-port", str(self.grpc_port),
-                "--allow-metrics", "false", "--exit-on-error", "true", "--strict-readiness", "true",
+                "--allow-metrics", "false", "--exit-on-error", str(not self.keep_going).lower(),
+                "--strict-readiness", str(not self.keep_going).lower(),
                 "--exit-timeout-secs", str(int(self.exit_timeout_s)),
                 *self.extra_args]
 
     def start(self) -> TritonServer:
         self.http_port, self.grpc_port = (port or free_port() for port in self.requested_ports)
+        self.drain_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -180,12 +190,20 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
+    def model_states(self) -> dict[str, tuple[str, str]]:
+        """model name -> (state, reason) from the repository index: READY, or UNAVAILABLE with why it failed."""
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as r:
+            index = json.loads(r.read())
+        return {entry["name"]: (entry.get("state", ""), entry.get("reason", "")) for entry in index}
+
     def stop(self) -> None:
         """SIGTERM (Triton unloads the models, finalize() runs), then SIGKILL the group if it hangs."""
         if self.process is None:
             return
         pgid = self.process.pid
         if self.process.poll() is None:
+            self.drain_file.write_text(f"{max(0.0, self.exit_timeout_s - 5):g}")
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(self.stop_timeout_s)
@@ -195,6 +213,7 @@ class TritonServer:
         deadline = time.monotonic() + 10  # the backend stubs exit once their parent is gone
         while processes_in_group(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        self.drain_file.unlink(missing_ok=True)
         left = processes_in_group(pgid)
         if left:
             os.killpg(pgid, signal.SIGKILL)

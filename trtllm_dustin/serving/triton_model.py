@@ -103,12 +103,14 @@ class TritonPythonModel:
 
         def on_chunk(chunk: ResponseChunk) -> None:
             if chunk.error is not None:
-                reply(self._error(chunk.error, "INTERNAL"), True)
+                reply(self._error(chunk.error, "CANCELLED" if chunk.cancelled else "INTERNAL"), True)
             else:
                 reply(self._response(chunk), chunk.final)
 
+        # The client closed its stream or its connection (decoupled: the sender knows; otherwise the request).
+        cancelled = getattr(sender if sender is not None else request, "is_cancelled", None)
         try:
-            self.engine.submit(_parse(request, self.pb), on_chunk)
+            self.engine.submit(_parse(request, self.pb), on_chunk, cancelled)
         except RequestError as e:
             reply(self._error(str(e), "INVALID_ARG"), True)
         except QueueFullError as e:
@@ -119,6 +121,8 @@ class TritonPythonModel:
         for name, (_, np_type, _, attr) in OUTPUTS.items():
             if attr is not None:
                 value = getattr(chunk.stats, attr)
+                if isinstance(value, float) and not math.isfinite(value):
+                    value = 0.0  # not known yet (no round, one token): 0, so that the generate endpoints' JSON parses
                 tensors.append(self.pb.Tensor(name, np.array([[value]], dtype=np_type)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
