@@ -95,9 +95,12 @@ def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
     from eval_tau import load_documents
 
     docs = [d for family in load_documents(Path(args.prompts), None).values() for d in family]
-    ids = [tokens[: args.prompt_tokens].tolist() for _, tokens in docs if len(tokens) >= args.prompt_tokens]
+    n = args.prompt_tokens
+    ids = [tokens[: n].tolist() for _, tokens in docs if len(tokens) >= n]
+    if len(ids) < count:  # more clients than long documents: later disjoint windows of the long ones too
+        ids += [tokens[start: start + n].tolist() for _, tokens in docs for start in range(n, len(tokens) - n + 1, n)]
     if len(ids) < count:
-        raise SystemExit(f"only {len(ids)} documents in {args.prompts} reach --prompt-tokens {args.prompt_tokens}")
+        raise SystemExit(f"only {len(ids)} windows of {n} tokens in {args.prompts}; lower --prompt-tokens")
     return ids[:: max(1, len(ids) // count)][:count]
 
 

@@ -1,6 +1,8 @@
 #!/bin/bash
 # The H200 serving and engine runs of the default pair (README.md beside this file). Run in the repository root on the
-# GPU machine, after the parts listed in README.md were copied to ~/stash by earlier calls of the same warm session.
+# GPU machine, after these were copied to ~/stash by earlier calls of the same warm session: gguf.0-5 (the SmolLM2 GGUF
+# split in 18 MB parts), pyt.0-3 (nvidia-pytriton's wheel, split), the tritonclient, python-rapidjson and numpy 1.26.4
+# wheels; the call itself carries .whl/gguf-0.19.0-py3-none-any.whl and .carry/test_prompts.npz.
 #   bash benchmarks/results/serving_h200_real/run.sh setup|engines|serve16|serve64
 set -euo pipefail
 S=~/stash
@@ -21,6 +23,7 @@ setup)
       --target "$(python3 -c 'import sys; print(sys.prefix)')/triton-site" "$S"/numpy-1.26.4-*.whl
     touch "$S/setup.done"
   fi
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/gguf-*.whl
   python3 -m pip install -q --no-deps --no-build-isolation -e .
   ;;
 engines)
@@ -33,9 +36,9 @@ engines)
   cp ~/eng/smollm2-tuned/manifest.json "$OUT/engine_smollm2_manifest.json"
   cp ~/eng/smollm2-tuned/tactics.json "$OUT/engine_smollm2_tactics.json"
   python3 benchmarks/bench_engine_load.py --engine ~/eng/smollm2-tuned --model "$GGUF" --draft smollm2-draft \
-    --device cuda --reps 3 --out "$OUT/engine_load_smollm2_h200.json"
+    --device cuda --reps 1 --out "$OUT/engine_load_smollm2_h200.json"
   for method in vanilla dustin-h; do
-    for engine in smollm2-tuned smollm2-packaged smollm2-tuned smollm2-packaged; do
+    for engine in smollm2-tuned smollm2-packaged; do
       echo "== $engine $method"
       trtllm-dustin generate --engine ~/eng/$engine --method $method --batch-size 16 --prompt-tokens 4096 \
         --max-new-tokens 256 --raw 2>&1 | grep -E "decode|tau|tactics" || true
@@ -48,7 +51,7 @@ serve16|serve64)
   cd benchmarks
   python3 bench_serving.py --model "$GGUF" --draft smollm2-draft \
     --dustin-config ../trtllm_dustin/weights/smollm2_draft/dustin.json --methods vanilla classic dustin-h \
-    --clients "$clients" --max-batch "$clients" --duration 20 --max-tokens 128 --prompt-tokens 4096 \
+    --clients "$clients" --max-batch "$clients" --duration 15 --max-tokens 128 --prompt-tokens 4096 \
     --max-seq-len 8192 --prompts ../.carry/test_prompts.npz --device cuda --out "$OUT/serving_real_$clients.json"
   ;;
 esac
