@@ -11,7 +11,8 @@ each file's sha256 in the manifest. A build is deterministic (the same inputs gi
                                      tactic table's GPU, the sha256 of every other file
     <engine>/target_config.json      the target's ModelConfig (draft_config.json: the draft's)
     <engine>/rank<r>/target.safetensors   rank r's contiguous target layers (+ the embedding on rank 0, the final
-                                     norm and output head on the last rank); rank0/draft.safetensors: the draft
+                                     norm and output head on the last rank); rank0/draft.safetensors: the draft.
+                                     A pipeline rank opens and checks only the files it reads (`open_engine`)
     <engine>/longspark/              a LongSpark drafter (config.json, model.safetensors), when built with one
     <engine>/tokenizer/              the target's tokenizer (save_pretrained), when it has one
     <engine>/dustin.json             the Dustin config, when built with one
@@ -285,24 +286,35 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
 
 @dataclass
 class OpenedEngine:
-    """A checked engine, its models opened (configs, tokenizer) but not loaded: `target.load(...)` reads rank 0."""
+    """A checked engine, its models opened (configs, tokenizer) but not loaded. One stage (pp_size 1):
+    `target.load(...)` reads the whole target. Several: `target.tensors(device)` are this rank's shard only, loaded
+    by runtime/pipeline_stage.py `PipelineStage.load` over `layers`; the draft is loaded on rank 0."""
 
     directory: Path
     manifest: EngineManifest
-    target: Any  # models.loading.Checkpoint over the engine's target shard
-    draft: Any | None  # the same for the draft
+    target: Any  # models.loading.Checkpoint over this rank's target shard
+    draft: Any | None  # the same for the draft (rank0/draft.safetensors; its config on every rank)
     dustin: DustinConfig | None
     longspark: Path | None  # the LongSpark drafter's directory inside the engine
     tactics: Path | None  # the tactic table the runtime should read (None: the packaged one; another GPU's table)
     notes: list[str] = field(default_factory=list)  # warnings to print (e.g. tuned for another GPU)
+    rank: int = 0  # the pipeline stage this process opened
+    sha256: str = ""  # of manifest.json: the start handshake compares it across ranks
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """This rank's [start, stop) target layers."""
+        return tuple(self.manifest.layers[self.rank])
 
 
-def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", world_size: int = 1,
-                verify: bool = True) -> OpenedEngine:
-    """Check an engine before anything is allocated and open its models. Refuses, with the value and the fix: a
-    missing or damaged directory, another format version, a file whose sha256 differs (named), a config that
-    does not match the manifest's fingerprints, a world size other than the engine's pipeline size. An engine
-    tuned for another GPU is used with the packaged tactic table (and a note says so)."""
+def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", world_size: int = 1, rank: int = 0,
+                verify: bool = True, serving: bool = False) -> OpenedEngine:
+    """Check an engine before anything is allocated and open its models, as pipeline rank `rank` of `world_size`
+    processes. Refuses, with the value and the fix: a missing or damaged directory, another format version, a file
+    whose sha256 differs (named), a config that does not match the manifest's fingerprints, a world size other
+    than the engine's pipeline size. A rank hashes and checks the files it reads (the shared ones and its own shard;
+    rank 0 also the draft), and the memory of its own share. An engine tuned for another GPU is used with the
+    packaged tactic table (and a note says so)."""
     from functools import partial
 
     from trtllm_dustin.models.loading import Checkpoint, iter_safetensors
@@ -313,19 +325,25 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
         raise EngineError(f"--engine {directory}: no manifest.json there; build one with `trtllm-dustin build --out "
                           f"{directory}`")
     manifest = EngineManifest.from_json(path.read_text(), str(path))
+    if serving and manifest.pp_size > 1:  # the Triton model runs each engine in one process
+        raise EngineError(f"--engine {directory} has {manifest.pp_size} pipeline stages, and serving runs an engine in "
+                          "one process: rebuild it with --pp-size 1 to serve it (pipeline engines run with `torchrun "
+                          f"--nproc-per-node {manifest.pp_size} -m trtllm_dustin.cli generate --engine {directory}`)")
     if world_size != manifest.pp_size:
+        launch = f"`torchrun --nproc-per-node {manifest.pp_size} -m trtllm_dustin.cli generate --engine {directory}` " \
+            "(and the same options)" if manifest.pp_size > 1 else "one process (without torchrun)"
         raise EngineError(f"--engine {directory} was built for {manifest.pp_size} pipeline stage(s) but this run "
-                          f"has {world_size} process(es); launch it with `torchrun --nproc-per-node "
-                          f"{manifest.pp_size}` or rebuild with --pp-size {world_size}")
-    if manifest.pp_size > 1:
-        raise EngineError(f"--engine {directory} has {manifest.pp_size} pipeline stages; pipeline-parallel "
-                          "execution is not part of this build yet, rebuild with --pp-size 1")
+                          f"has {world_size} process(es); launch it with {launch} or rebuild with --pp-size "
+                          f"{world_size}")
+    if not 0 <= rank < world_size:
+        raise EngineError(f"rank {rank} is outside the {world_size} processes of this run")
     if verify:
-        missing = [name for name in manifest.files if not (directory / name).is_file()]
+        mine = {name: digest for name, digest in manifest.files.items() if _read_by(name, rank)}
+        missing = [name for name in mine if not (directory / name).is_file()]
         if missing:
             raise EngineError(f"--engine {directory}: {missing[0]} is missing; rebuild the engine")
-        found = _hash_files(directory, [directory / name for name in manifest.files])
-        for name, digest in manifest.files.items():
+        found = _hash_files(directory, [directory / name for name in mine])
+        for name, digest in mine.items():
             if found[name] != digest:
                 raise EngineError(f"--engine {directory}: {name} does not match its sha256 in manifest.json (the "
                                   "file was changed or damaged); rebuild the engine")
@@ -336,7 +354,7 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
             raise EngineError(f"--engine {directory}: {role}_config.json does not match the manifest's "
                               f"fingerprint; rebuild the engine")
         configs[role] = config
-    _check_memory(directory, manifest, configs, device)
+    _check_memory(directory, manifest, configs, device, rank)
     dustin = DustinConfig.load(directory / "dustin.json") if manifest.dustin is not None else None
     if dustin is not None:
         dustin.check_models(configs["target"], configs.get("draft"))
@@ -347,15 +365,22 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
     about = f"engine {directory.name} ({manifest.limits.dtype}, built at git {manifest.git_sha[:12]})"
 
-    def shard(role: str) -> Checkpoint:
-        file = directory / "rank0" / f"{role}.safetensors"
+    def shard(role: str, owner: int) -> Checkpoint:
+        file = directory / f"rank{owner}" / f"{role}.safetensors"
         return Checkpoint(configs[role], tokenizer, f"{directory}/{file.relative_to(directory)}", about,
                           partial(iter_safetensors, [file], fix="rebuild the engine"), native=True)
 
     tactics, notes = engine_tactics(directory, manifest,
                                     torch.cuda.get_device_name(device) if device.type == "cuda" else None)
-    return OpenedEngine(directory, manifest, shard("target"), shard("draft") if "draft" in configs else None, dustin,
-                        directory / "longspark" if manifest.longspark else None, tactics, notes)
+    return OpenedEngine(directory, manifest, shard("target", rank), shard("draft", 0) if "draft" in configs else None,
+                        dustin, directory / "longspark" if manifest.longspark else None, tactics, notes, rank,
+                        _sha256(path))
+
+
+def _read_by(name: str, rank: int) -> bool:
+    """Whether pipeline rank `rank` reads the engine file `name`: the shared files, its own shard directory."""
+    top = name.split("/", 1)[0]
+    return not (top.startswith("rank") and top[4:].isdigit()) or top == f"rank{rank}"
 
 
 def engine_tactics(directory: Path, manifest: EngineManifest, gpu: str | None) -> tuple[Path | None, list[str]]:
@@ -368,16 +393,28 @@ def engine_tactics(directory: Path, manifest: EngineManifest, gpu: str | None) -
 
 
 def _check_memory(directory: Path, manifest: EngineManifest, configs: dict[str, ModelConfig],
-                  device: torch.device) -> None:
-    """The engine's weights and the KV caches of its limits must fit in `device`'s free memory (nothing allocated)."""
+                  device: torch.device, rank: int = 0) -> None:
+    """Rank `rank`'s share of the engine's weights and of the KV caches of its limits must fit in `device`'s free
+    memory (nothing allocated): its target layers (and their cache), the embedding or the head where it holds them,
+    the draft on rank 0."""
     from trtllm_dustin.kv_cache import KVCache, MemoryPlanError, check_fits
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 
     limits, dtype = manifest.limits, manifest.limits.torch_dtype
-    weights = sum(c.num_parameters() * dtype.itemsize for c in configs.values())
-    caches = sum(KVCache.nbytes_for(c, limits.max_batch, limits.max_seq_len,
-                                    dtype if role == "target" else draft_kv_dtype(limits.draft_kv_cache, dtype))
-                 for role, c in configs.items())
+    weights = caches = 0
+    for role, c in configs.items():
+        kv = KVCache.nbytes_for(c, limits.max_batch, limits.max_seq_len,
+                                dtype if role == "target" else draft_kv_dtype(limits.draft_kv_cache, dtype))
+        if role != "target":
+            if rank == 0:  # the draft lives on the first stage
+                weights, caches = weights + c.num_parameters() * dtype.itemsize, caches + kv
+            continue
+        start, stop = manifest.layers[rank]
+        first, last, tied = rank == 0, rank == manifest.pp_size - 1, c.tie_word_embeddings
+        ends = c.vocab_size * c.hidden_size if first or (last and tied) else 0  # the embedding (a tied head's too)
+        ends += (c.hidden_size + (0 if tied else c.output_rows() * c.hidden_size)) if last else 0  # norm + head
+        weights += ((stop - start) * c.layer_parameters() + ends) * dtype.itemsize
+        caches += kv * (stop - start) // c.num_layers
     try:
         check_fits(f"--engine {directory} (weights {weights / 2**30:.2f} GiB + KV caches of its limits, "
                    f"{limits.max_batch} x {limits.max_seq_len} tokens, {caches / 2**30:.2f} GiB)", weights + caches,

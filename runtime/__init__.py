@@ -6,5 +6,8 @@
   acceptor.py    the Acceptor seam (acceptors/: greedy, rejection sampling, teacher-forced)
   methods.py     the registry: a method is a (Drafter, Selector) pair
   inflight.py    in-flight batching over a Decoder's slots
+  pipeline.py    the same round over pipeline stages (torchrun): pipeline_stage.py (one rank's layers),
+                 pipeline_selection.py (which methods split, Dustin's S_target per stage), pipeline_group.py (the
+                 process group, start handshake, faults)
   state.py, sampling.py, generation.py, prefill.py, cuda_graph.py, phase_timer.py
 """

@@ -94,6 +94,8 @@ def test_pipeline_shards_hold_contiguous_layers(tmp_path: Path) -> None:
     assert {int(n.split(".")[1]) for n in names[1] if n.startswith("layers.")} == {2}
     with pytest.raises(EngineError, match=r"built for 2 pipeline stage\(s\) but this run has 1 process"):
         open_engine(out)
+    with pytest.raises(EngineError, match="serving runs an engine in one process: rebuild it with --pp-size 1"):
+        open_engine(out, serving=True)  # what triton-repo and the served model open it with
     with pytest.raises(EngineError, match="--pp-size 9 must be between 1 and the target's 3 layers"):
         layer_split(3, 9)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import runpy
 import sys
 import time
@@ -98,7 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.add_argument("--engine", type=Path, default=None,
                      help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
-                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config)")
+                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config); "
+                     "an engine built with --pp-size N runs under `torchrun --nproc-per-node N` (docs/engines.md)")
+    gen.add_argument("--micro-batches", type=int, default=1, help="pipeline-parallel runs: the batch in this many "
+                     "micro-batches in flight across the stages (>1: each sequence samples from its own generator, "
+                     "seeded --seed + its index)")
+    gen.add_argument("--pp-timeout", type=float, default=300.0, help="pipeline-parallel runs: seconds a stage waits "
+                     "for another before the run stops with an error")
     gen.set_defaults(func=_generate)
 
     build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
@@ -395,15 +402,16 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_engine(args: argparse.Namespace, device, method) -> OpenedEngine:
+def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, rank: int = 0) -> OpenedEngine:
     """generate --engine: check the engine (format, every file's sha256, fingerprints) and the run against its limits,
-    and take its models, drafter and dtype in place of the options that name them."""
+    and take its models, drafter and dtype in place of the options that name them. A pipeline stage (rank of
+    world_size) checks the files it reads."""
     from trtllm_dustin.build_engines.engine import EngineError, open_engine
 
     given = [name for name in ("model", "draft", "longspark", "dustin_config") if getattr(args, name) is not None]
     if given:
         raise EngineError(f"--engine brings its own models and configs; drop --{given[0].replace('_', '-')}")
-    engine = open_engine(args.engine, device=device)
+    engine = open_engine(args.engine, device=device, world_size=world_size, rank=rank)
     limits = engine.manifest.limits
     if args.dtype is not None and args.dtype != limits.dtype:
         raise EngineError(f"--dtype {args.dtype}: the engine's weights are {limits.dtype}; drop --dtype or rebuild")
@@ -453,9 +461,11 @@ def _load(role: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.
 
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
-                  kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype) -> int:
+                  kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype,
+                  shares: list[float] | None = None) -> int:
     """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
-    each model's positions, and the weights + caches against the device's free memory. Returns the cache length."""
+    each model's positions, and the weights + caches against the device's free memory (shares: the fraction of each
+    model this process holds, a pipeline stage's; default all). Returns the cache length."""
     from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
     from trtllm_dustin.runtime.generation import check_lengths
 
@@ -474,9 +484,11 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
                 fix = "shorten the prompt or lower --max-new-tokens"
             raise ValueError(f"{asked} exceeds the {role}'s {positions} positions ({checkpoint.config.name}); {fix}")
     check_lengths([prompt] * args.batch_size, args.batch_size, max_seq_len, args.max_new_tokens, lookahead)
-    weights = sum(checkpoint.config.num_parameters() * dtype.itemsize for _, checkpoint in models)
-    caches = sum(KVCache.nbytes_for(checkpoint.config, args.batch_size, max_seq_len, kv)
-                 for (_, checkpoint), kv in zip(models, kv_dtypes, strict=True))
+    shares = shares or [1.0] * len(models)
+    weights = sum(int(share * checkpoint.config.num_parameters() * dtype.itemsize)
+                  for (_, checkpoint), share in zip(models, shares, strict=True))
+    caches = sum(int(share * KVCache.nbytes_for(checkpoint.config, args.batch_size, max_seq_len, kv))
+                 for (_, checkpoint), kv, share in zip(models, kv_dtypes, shares, strict=True))
     check_fits(f"this run (weights {weights / 2**30:.2f} GiB + KV caches of {args.batch_size} x {max_seq_len} "
                f"tokens {caches / 2**30:.2f} GiB)", weights + caches, device)
     positions = min(checkpoint.config.max_position_embeddings for _, checkpoint in models)
@@ -498,6 +510,7 @@ def _generate(args: argparse.Namespace) -> int:
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.generation import GenerationConfig
     from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+    from trtllm_dustin.runtime.pipeline_group import torchrun_world
     from trtllm_dustin.runtime.sampling import SamplingParams
 
     device = torch.device(args.device or _default_device())
@@ -506,6 +519,11 @@ def _generate(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _dtype_name(args.dtype, device.type))
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    if torchrun_world() > 1:  # one stage of a pipeline-parallel engine
+        return _generate_pipeline(args)
+    if args.micro_batches != 1:
+        raise ValueError(f"--micro-batches {args.micro_batches} splits a pipeline-parallel run; a single process "
+                         "decodes the batch at once (drop it, or run a --pp-size engine under torchrun)")
     method = METHODS[args.method]
     speculative = method.speculative
 
@@ -543,12 +561,22 @@ def _generate(args: argparse.Namespace) -> int:
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
     prompts = [prompt] * args.batch_size
     result = decoder.generate(prompts, gen_config, profile=args.profile)
+    _print_result(args, result, loaded.tokenizer, loaded.source, device, dtype, len(prompt))
+    return 0
+
+
+def _print_result(args: argparse.Namespace, result, tokenizer, source: str, device, dtype, prompt_tokens: int
+                  ) -> None:
+    """generate's report: each sequence's text, then the run's sizes, times and acceptance."""
+    from trtllm_dustin.runtime.methods import METHODS
+
+    speculative = METHODS[args.method].speculative
     for i, ids in enumerate(result.tokens):
-        text = loaded.tokenizer.decode(ids, skip_special_tokens=True) if loaded.tokenizer else str(ids)
+        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else str(ids)
         print(f"[{i}] {text}")
     steps = "rounds" if speculative else "steps"
-    print(f"model {loaded.source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
-          f"prompt {len(prompt)} tokens, generated {result.generated} tokens")
+    print(f"model {source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
+          f"prompt {prompt_tokens} tokens, generated {result.generated} tokens")
     print(f"time to first token {result.prefill_ms:.1f} ms (prefill), then {result.setup_ms:.1f} ms of one-time "
           "setup (CUDA-graph capture, kernel warm-up)")
     print(f"decode {result.decode_tokens_per_s:.1f} tokens/s "
@@ -559,6 +587,82 @@ def _generate(args: argparse.Namespace) -> int:
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
     if result.phase_ms:
         print("phases (ms, whole run): " + ", ".join(f"{k} {v:.1f}" for k, v in result.phase_ms.items()))
+
+
+def _generate_pipeline(args: argparse.Namespace) -> int:
+    """generate under torchrun: this process is one stage of a --pp-size engine (runtime/pipeline.py). It opens and
+    checks only its own files, every rank states what it started with (a mismatch, or a rank that failed to start,
+    stops all of them with one line), loads its own layers (rank 0 also the draft), and decodes; rank 0 prints (main
+    silences the others' stdout)."""
+    import hashlib
+    from dataclasses import replace
+
+    from trtllm_dustin.attention import get_backend
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.kv_cache import MemoryPlanError
+    from trtllm_dustin.models.errors import ModelLoadError
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.runtime.generation import GenerationConfig
+    from trtllm_dustin.runtime.methods import METHODS
+    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup
+    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
+    from trtllm_dustin.runtime.pipeline_selection import pipeline_method
+    from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+    from trtllm_dustin.runtime.sampling import SamplingParams
+
+    if args.engine is None:
+        raise ConfigError("a pipeline-parallel run (torchrun) reads its stages from an engine: build one with "
+                          "`trtllm-dustin build --pp-size N --out DIR` and pass --engine DIR")
+    pipeline_method(args.method)  # a method without a pipeline split is refused before the group starts
+    if args.profile:
+        raise ValueError("--profile times the phases of one process's round; a pipeline-parallel run has none, drop it")
+    method = METHODS[args.method]
+    with PipelineGroup.from_env(args.device or _default_device(), timeout_s=args.pp_timeout) as group:
+        device, error = group.device, None
+        try:  # a rank that cannot start says why in the handshake, so that every rank stops with its line
+            engine = _open_engine(args, device, method, group.world, group.rank)
+            target = _open("target", None, args.seed, engine)
+            draft, dustin = _open_drafters(args, [args.method], target, engine)
+            prompt = _prompt_ids(args, target)
+            dtype = engine.manifest.limits.torch_dtype
+            a, z = engine.layers
+            models, kv_dtypes, shares = [("target", target)], [dtype], [(z - a) / target.config.num_layers]
+            if draft is not None:
+                models.append(("draft", draft))
+                kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
+                shares.append(1.0 if group.first else 0.0)
+            lookahead = args.gamma if method.speculative else 0
+            max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype, shares)
+        except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
+            engine, error = None, str(e)
+        facts = {} if engine is None else {
+            "engine manifest sha256": engine.sha256, "prompt": hashlib.sha256(str(prompt).encode()).hexdigest()[:16],
+            "sampling": f"temperature {args.temperature} top-p {args.top_p} seed {args.seed}",
+            "max_new_tokens": str(args.max_new_tokens), "backend": str(args.backend)}
+        group.handshake(facts, error)
+
+        start = time.perf_counter()
+        stage = PipelineStage.load(target.config, a, z, group.rank, group.world, target.tensors(device),
+                                   target.source, device, dtype)
+        print(f"target: layers [{a}, {z}) of {target.config.num_layers} here (each of the {group.world} ranks loads "
+              f"its own shard), loaded in {time.perf_counter() - start:.1f} s", flush=True)
+        draft_model = _load("draft", draft, device, dtype).model if draft is not None and group.first else None
+        kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
+        if engine.tactics is not None:
+            kernels = replace(kernels, linear_tactics=str(engine.tactics))
+        backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
+        decoder = PipelineDecoder(PipelineSetup(
+            args.method, stage, group, backend, args.batch_size, max_seq_len,
+            draft_config=draft.config if draft is not None else None, draft=draft_model, gamma=args.gamma,
+            draft_budget=args.draft_budget, dustin=dustin, micro_batches=args.micro_batches, kv_dtype=dtype,
+            draft_kv_dtype=kv_dtypes[1] if draft is not None else None, use_cuda_graph=not args.no_cuda_graph,
+            kernels=kernels))
+        gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=target.config.eos_token_ids,
+                                      sampling=SamplingParams(args.temperature, args.top_p, args.seed))
+        result = decoder.generate([prompt] * args.batch_size, gen_config)
+    print(f"pipeline: {group.world} stages (layers {engine.manifest.layers}), {args.micro_batches} micro-batch(es)")
+    _print_result(args, result, target.tokenizer, f"the engine {args.engine}", device, dtype, len(prompt))
     return 0
 
 
@@ -572,7 +676,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
 
         dustin = None
 
-        opened = open_engine(args.engine, device=args.device)
+        opened = open_engine(args.engine, device=args.device, serving=True)
         limits = opened.manifest.limits
         if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
             raise ValueError(f"--max-batch {args.max_batch} / --max-seq-len {args.max_seq_len} exceed the engine's "
@@ -742,19 +846,22 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["generate"] and os.environ.get("RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")  # a pipeline's other ranks are silent; their errors still show
     early = _early_generate_args(argv)
     if early is not None:
         print(_loading_line(early), flush=True)  # before the slow imports below
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.kv_cache import MemoryPlanError
     from trtllm_dustin.models.errors import ModelLoadError
+    from trtllm_dustin.runtime.pipeline_group import PipelineError
 
     args = build_parser().parse_args(argv)
     if args.command == "generate" and early is None:
         print(_loading_line(args), flush=True)
     try:
         return args.func(args)
-    except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
+    except (ValueError, ConfigError, ModelLoadError, MemoryPlanError, PipelineError) as e:
         print(f"trtllm-dustin: error: {e}", file=sys.stderr)
         return 2
 

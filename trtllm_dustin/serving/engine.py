@@ -401,7 +401,7 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
     kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
     dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
     if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
-        engine = open_engine(config.engine, device=device)
+        engine = open_engine(config.engine, device=device, serving=True)
         missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
                                                     ("a LongSpark drafter", needs_spark, engine.longspark),
                                                     ("a Dustin config", any(METHODS[m].needs_dustin for m in

@@ -1,0 +1,542 @@
+"""Pipeline-parallel decoding: the target's layers in contiguous stages on P processes, every supported method's
+round spread over them, M micro-batches in flight.
+
+Each rank holds one PipelineStage (its layers' weights only) and, per micro-batch, a KV cache of its layers, the
+round state and the run's Progress. The first stage (rank 0) also holds the draft, the method's Drafter and
+Selector (built by the registry, runtime/methods.py) and the draft's caches; the last stage has the logits and
+decides acceptance. One round of one micro-batch, message by message (tags are the _Tag names):
+
+    rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (pipeline_selection.py: S_target arrives
+                 from the stages that own the SRH layers), embed [cur, drafts] and run its layers
+    0 -> 1       HIDDEN [b, Γ+1, H], TOKENS int64 [b, Γ+1], INDICES int32 [b, k] (sparse methods)
+    s -> s+1     the same, after stage s's layers (every stage reads the same I_verify: it is layer-invariant)
+    0 -> last    sampled rounds only: PROBS fp32 [b, Γ, V] (rejection sampling's q) and STATES, the generator
+                 state(s) after drafting (one for the batch, or one per sampled slot)
+    last         its layers, the logits, acceptance (greedy or rejection sampling, drawing from STATES)
+    last -> all  VERDICT int64 [2, b]: accepted counts and next tokens; -> 0: STATES after acceptance
+    every rank   observes the verdict (the drafter's and the selector's hooks on rank 0, the target history on the
+                 SRH stages), commits its own KV / state / Progress (commit_round), and decides identically whether
+                 the micro-batch goes on; an SRH stage then scores S_target of the next round -> 0: S_TARGET
+
+Seeded sampling is token-identical to the single-process Decoder: the generator state travels with the messages,
+so the draft's draws (rank 0) and acceptance's draws (last stage) come from one sequence, in the single-process
+order. With micro-batches every slot samples from its own generator (seed + slot, as in-flight serving does),
+because the batch's one generator cannot be shared by micro-batches in flight.
+
+The schedule (`_Schedule`): time advances in ticks; at tick t stage s works on the item rank 0 started at t - s,
+and a micro-batch starts again right after its verdict, so with M >= P micro-batches every stage is busy every tick
+(stage s works on micro-batch (t - s) mod M). Sends are non-blocking, receives block; every pair of ranks sends
+and receives its messages in the same order, so the schedule needs no collective and no barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+
+import torch
+
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
+from trtllm_dustin.plugins.argmax import argmax_last
+from trtllm_dustin.plugins.commit import commit_round
+from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.acceptors import GreedyAcceptor, RejectionAcceptor
+from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
+from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.pipeline_group import PipelineGroup
+from trtllm_dustin.runtime.pipeline_selection import TargetHistory, pipeline_method, sum_in_order
+from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
+from trtllm_dustin.runtime.sampling import SlotSampling
+from trtllm_dustin.runtime.selector import Selector
+from trtllm_dustin.runtime.state import Observation, Progress, RoundState
+
+__all__ = ["PipelineDecoder", "PipelineSetup", "stage_layers"]
+
+
+class _Tag(IntEnum):
+    HIDDEN = 1
+    TOKENS = 2
+    INDICES = 3
+    PROBS = 4
+    STATES = 5
+    VERDICT = 6
+    S_TARGET = 7
+    PREFILL = 8
+    FIRST = 9
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """The engine's split (build_engines/engine.py layer_split): contiguous ranges, the first ones one layer longer."""
+    from trtllm_dustin.build_engines.engine import layer_split
+
+    return layer_split(num_layers, pp_size)
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    """One rank's part of a pipeline-parallel decoder; every rank passes the same values but its own stage (and the
+    first stage the draft model)."""
+
+    method: str
+    stage: PipelineStage
+    group: PipelineGroup
+    backend: AttentionBackend
+    batch_slots: int  # sequences decoded together, over all micro-batches
+    max_seq_len: int  # KV cache length per slot: prompt + new tokens + gamma
+    draft_config: ModelConfig | None = None  # every rank (the pair's shared vocabulary); methods with a draft
+    draft: Transformer | None = None  # the first stage only
+    gamma: int = 3  # draft tokens per round (vanilla: 0)
+    draft_budget: int = 512  # MagicDec's window; the baselines' k without a Dustin config
+    dustin: DustinConfig | None = None
+    micro_batches: int = 1  # M micro-batches in flight; M >= P keeps every stage busy
+    kv_dtype: torch.dtype | None = None  # the target cache's (None: the stage's weights')
+    draft_kv_dtype: torch.dtype | None = None  # the draft cache's (None: the draft's weights')
+    use_cuda_graph: bool = True  # the drafter's steps (CUDA only); the stage forwards run eagerly
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+
+    def __post_init__(self) -> None:
+        pipeline_method(self.method)
+        stage, group = self.stage, self.group
+        if group.world < 2:
+            raise ConfigError("a pipeline needs at least 2 processes; with one, use the single-process Decoder "
+                              "(trtllm-dustin generate without torchrun)")
+        if (stage.rank, stage.pp_size) != (group.rank, group.world):
+            raise ConfigError(f"stage {stage.rank} of {stage.pp_size} runs on rank {group.rank} of {group.world}")
+        expected = stage_layers(stage.config.num_layers, stage.pp_size)[stage.rank]
+        if (stage.start, stage.stop) != expected:
+            raise ConfigError(f"rank {stage.rank} holds layers [{stage.start}, {stage.stop}); the split gives it "
+                              f"[{expected[0]}, {expected[1]})")
+        if not 1 <= self.micro_batches <= self.batch_slots:
+            raise ConfigError(f"--micro-batches {self.micro_batches} must be between 1 and --batch-size "
+                              f"{self.batch_slots}")
+        spec = METHODS[self.method]
+        if spec.needs_draft and self.draft_config is None:
+            raise ConfigError(f"method {self.method} needs a draft model; pass --draft (every rank needs its config)")
+        if spec.needs_draft and stage.first and self.draft is None:
+            raise ConfigError(f"method {self.method}: the first stage holds the draft; load it on rank 0")
+        if spec.needs_dustin and self.dustin is None:
+            raise ConfigError(f"{self.method} needs a Dustin configuration; pass --dustin-config FILE")
+
+    @property
+    def speculative_gamma(self) -> int:
+        return self.gamma if METHODS[self.method].speculative else 0
+
+    def facts(self) -> dict[str, str]:
+        """What every rank must agree on (the start handshake)."""
+        return {"method": self.method, "gamma": str(self.speculative_gamma), "batch": str(self.batch_slots),
+                 "max_seq_len": str(self.max_seq_len), "micro_batches": str(self.micro_batches),
+                 "pipeline stages": str(self.stage.pp_size),
+                 "target": model_fingerprint(self.stage.config), "draft budget": str(self.draft_budget),
+                 "dustin config": hashlib.sha256(self.dustin.to_json().encode()).hexdigest()[:16]
+                 if self.dustin is not None else "none",
+                 "draft": model_fingerprint(self.draft_config) if self.draft_config is not None else "none",
+                 "target weights dtype": str(next(self.stage.parameters()).dtype)}
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's state on this rank: its slots' caches, round state and run (shared weights)."""
+
+    slots: slice  # global batch slots [start, stop)
+    cache: KVCache  # this stage's layers
+    state: RoundState  # lengths are the cache's seqlens
+    capture: QueryCapture | None  # the verified tokens' queries of the SRH layers this stage owns (global keys)
+    history: TargetHistory | None  # S_target of those layers
+    drafter: Drafter | None = None  # the first stage
+    selector: Selector | None = None
+    # the first stage: each SRH layer's S_target of the next round (received, or its own part's buffer) and their sum
+    s_target: dict[int, torch.Tensor] = field(default_factory=dict)
+    s_target_sum: torch.Tensor | None = None
+    # per run
+    prompts: int = 0  # prompts in this micro-batch (its first slots)
+    progress: Progress | None = None
+    sampling: SlotSampling | None = None  # the first and last stages
+    tokens: torch.Tensor | None = None  # int64 [b, Γ+1] the round in flight: cur, then the drafts
+    indices: torch.Tensor | None = None  # int32 [b, k] its verification set
+    verdict: torch.Tensor | None = None  # int64 [2, b] on the last stage, until every stage has it
+    rounds: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.slots.stop - self.slots.start
+
+
+class _Schedule:
+    """Which micro-batch each stage works on, tick by tick, the same on every rank (module docstring)."""
+
+    def __init__(self, stages: int, live: Sequence[int]) -> None:
+        self.stages = [None] * stages  # micro-batch at each stage in the current tick
+        self.ready = deque(live)  # micro-batches whose next round may start, oldest first
+
+    @property
+    def running(self) -> bool:
+        return bool(self.ready) or any(m is not None for m in self.stages)
+
+    def finished(self) -> int | None:
+        """The micro-batch whose verdict the last stage reached in the tick that just ended."""
+        return self.stages[-1]
+
+    def advance(self) -> list[int | None]:
+        self.stages = [self.ready.popleft() if self.ready else None] + self.stages[:-1]
+        return self.stages
+
+
+class _DtypeOf:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.weight = torch.empty(0, dtype=dtype)
+
+
+class _ChunkThroughStage:
+    """The pipeline as `PrefillJob`'s model: each prompt chunk enters the first stage as tokens, passes stage to stage
+    as hidden states, and leaves the last stage as the logits of each prompt's last token in the chunk (zeros on the
+    other stages, which have no logits)."""
+
+    def __init__(self, stage: PipelineStage, group: PipelineGroup, rows: int) -> None:
+        self.stage, self.group, self.config = stage, group, stage.config
+        dtype, device = next(stage.parameters()).dtype, next(stage.parameters()).device
+        self.embed = _DtypeOf(dtype)  # PrefillJob reads the queries' dtype from model.embed.weight
+        self._no_logits = torch.zeros(rows, stage.config.vocab_size, dtype=torch.float32, device=device)
+
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                 logit_index: torch.Tensor | None = None, capture: QueryCapture | None = None) -> torch.Tensor:
+        stage, group = self.stage, self.group
+        B, T = tokens.shape
+        x = tokens if stage.first else group.recv(
+            torch.empty(B, T, stage.config.hidden_size, dtype=self.embed.weight.dtype, device=tokens.device),
+            stage.rank - 1, _Tag.PREFILL, "a prefill chunk")
+        out = stage(x, cache, meta, backend, logit_index=logit_index if stage.last else None, capture=capture)
+        if stage.last:
+            return out
+        group.send(out, stage.rank + 1, _Tag.PREFILL)
+        return self._no_logits
+
+
+class PipelineDecoder:
+    """This rank's part of a pipeline-parallel decoder (module docstring). Every rank constructs it with its own
+    PipelineSetup and calls `generate` with the same prompts and config; each returns the same result."""
+
+    def __init__(self, setup: PipelineSetup, facts: Mapping[str, str] | None = None) -> None:
+        self.setup, self.group, self.stage = setup, setup.group, setup.stage
+        self.split = pipeline_method(setup.method)
+        self.spec = METHODS[setup.method]
+        self.group.handshake({**setup.facts(), **(facts or {})})  # before anything is allocated
+        stage, device = self.stage, self.group.device
+        self.device = device
+        self.gamma = setup.speculative_gamma
+        self.dtype = next(stage.parameters()).dtype
+        self.kv_dtype = setup.kv_dtype or self.dtype
+        self.owner = {layer: rank for rank, (start, stop) in enumerate(stage_layers(stage.config.num_layers,
+                                                                                     stage.pp_size))
+                      for layer in range(start, stop)}  # global layer -> the rank that holds it
+        self.shared_vocab = setup.draft_config.vocab_size if self.spec.needs_draft else stage.config.vocab_size
+        dustin = setup.dustin
+        variant = self.split.dustin_variant
+        # The SRH target layers whose S_target the first stage sums (config order); none without Dustin's split.
+        self.srh_layers = tuple(lh.layer for lh in dustin.target_layers) \
+            if variant is not None and self.split.reads_target(dustin) else ()
+        # The set's size k, as the registry gives it (methods._budget, and Dustin's own budget).
+        self.budget = (dustin.budget if dustin is not None else setup.draft_budget) if self.spec.sparse else None
+        stage.kernels = setup.kernels
+        self._greedy = GreedyAcceptor(setup.kernels.round_kernels)
+        self._rejection = RejectionAcceptor(setup.kernels.round_kernels)
+        sizes = [setup.batch_slots // setup.micro_batches + (m < setup.batch_slots % setup.micro_batches)
+                 for m in range(setup.micro_batches)]
+        starts = [sum(sizes[:m]) for m in range(len(sizes))]
+        with torch.inference_mode():
+            self.micro = [self._allocate(slice(a, a + n)) for a, n in zip(starts, sizes, strict=True)]
+
+    def _allocate(self, slots: slice) -> _MicroBatch:
+        setup, stage = self.setup, self.stage
+        b = slots.stop - slots.start
+        cache = stage.allocate_cache(b, setup.max_seq_len, self.kv_dtype, self.device)
+        state = RoundState.allocate(cache.seqlens)
+        history, capture = None, None
+        if any(stage.owns(layer) for layer in self.srh_layers):
+            history = TargetHistory(setup.dustin, stage, cache, pdl=setup.kernels.pdl)
+            c = stage.config
+            queries = {layer: torch.zeros(b, self.gamma + 1, c.num_heads, c.head_dim, dtype=self.dtype,
+                                          device=self.device) for layer in history.layers}
+            capture = QueryCapture(history.layers, queries)
+        mb = _MicroBatch(slots, cache, state, capture, history)
+        if stage.first:
+            draft = setup.draft if self.spec.needs_draft else None
+            dustin = setup.dustin
+            if dustin is not None and self.split.dustin_variant is not None:
+                dustin = self.split.first_stage_config(dustin)
+            decoder = build_decoder(setup.method, MethodSetup(
+                target=stage, target_cache=cache, backend=setup.backend, draft=draft,
+                draft_cache=KVCache.allocate(draft.config, b, setup.max_seq_len,
+                                             setup.draft_kv_dtype or draft.embed.weight.dtype, self.device)
+                if draft is not None else None,
+                gamma=setup.gamma, draft_budget=setup.draft_budget, dustin=dustin,
+                use_cuda_graph=setup.use_cuda_graph, kernels=setup.kernels))
+            if decoder.gamma != self.gamma or decoder.selector.budget != self.budget:
+                raise RuntimeError(f"{setup.method}: the registry built gamma {decoder.gamma}, k "
+                                   f"{decoder.selector.budget}; the pipeline expected {self.gamma}, {self.budget}")
+            mb.drafter, mb.selector = decoder.drafter, decoder.selector
+            mb.s_target = {layer: torch.zeros(b, setup.max_seq_len, dtype=torch.float32, device=self.device)
+                           for layer in self.srh_layers if not stage.owns(layer)}
+            mb.s_target_sum = torch.zeros(b, setup.max_seq_len, dtype=torch.float32, device=self.device)
+        return mb
+
+    # ---- a static batch ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig, per_slot_sampling: bool | None
+                 = None) -> GenerationResult:
+        """Decode every prompt (slots 0 .. n-1) to EOS or max_new_tokens, on every rank; each returns the tokens.
+
+        Sampling: per_slot_sampling False (the default with one micro-batch) is Decoder.generate's, one generator for
+        the batch (seed + 1 for the first token, seed for the rounds); True (required with micro-batches) gives slot
+        b its own, seeded seed + b (seed + b + 1 for its first token), as `Decoder.generate([prompt_b])` with that
+        seed samples. In the result, rounds are the most any micro-batch ran and the decode time runs from the moment
+        every stage is ready (after the prefill, the first tokens and a warm-up) to the last verdict."""
+        setup = self.setup
+        per_slot = setup.micro_batches > 1 if per_slot_sampling is None else per_slot_sampling
+        if setup.micro_batches > 1 and not per_slot:
+            raise ConfigError("one generator for the whole batch cannot be shared by micro-batches in flight; sample "
+                              "per slot or run --micro-batches 1")
+        check_lengths(prompts, setup.batch_slots, setup.max_seq_len, config.max_new_tokens, lookahead=self.gamma)
+        chunk = config.prefill_chunk or prefill_chunk_for(len(prompts))
+        t0 = time.perf_counter()
+        logits = {}
+        for m, mb in enumerate(self.micro):  # the chunks of all micro-batches flow through the stages back to back
+            mb.state.idle(slice(None))
+            mine = [list(p) for p in prompts[mb.slots.start: mb.slots.stop]]
+            mb.prompts, mb.rounds, mb.verdict = len(mine), 0, None
+            mb.progress = Progress.allocate(mb.size, config.max_new_tokens, self.gamma, config.eos_token_ids,
+                                            self.device)
+            mb.sampling = self._round_sampling(mb, config, per_slot) if self.stage.first or self.stage.last else None
+            if mine:
+                logits[m] = self._prefill(mb, mine, chunk)
+        live = []
+        for m, mb in enumerate(self.micro):
+            if mb.prompts:
+                self._begin(mb, prompts[mb.slots.start: mb.slots.start + mb.prompts], logits[m], config, per_slot)
+                if bool(mb.progress.active.any()):
+                    live.append(m)
+        self._warm_up(self.micro[0])
+        self.group.barrier()  # the decode clock starts when every stage is ready
+        t1 = time.perf_counter()
+        for m in live:
+            self._score_history(self.micro[m])
+        schedule = _Schedule(self.group.world, live)
+        while schedule.running:
+            done = schedule.finished()
+            if done is not None and self._consume(self.micro[done], config):
+                schedule.ready.append(done)
+            working = schedule.advance()[self.group.rank]
+            if working is not None:
+                self._work(self.micro[working])
+        self.group.drain()
+        t2 = time.perf_counter()
+        tokens = [row for mb in self.micro if mb.prompts for row in mb.progress.tokens(mb.prompts)]
+        hist = sum(mb.progress.hist for mb in self.micro).tolist()
+        rounds = max((mb.rounds for mb in self.micro), default=0)
+        decode_ms = (t2 - t1) * 1e3
+        return GenerationResult(tokens=tokens, prefill_ms=(t1 - t0) * 1e3, setup_ms=0.0, decode_ms=decode_ms,
+                                rounds=rounds, decoding_rounds=rounds, decoding_ms=decode_ms, committed_hist=hist)
+
+    def _warm_up(self, mb: _MicroBatch) -> None:
+        """The round's custom ops once, on copies, before the decode clock starts: a process's first one pays a
+        one-time setup (importing torch._dynamo, about 3 s on the CPU host), which would otherwise land in one
+        rank's first round. Decoder.capture does the same for the GPU's eager kernels."""
+        progress, state, use_kernel = mb.progress, mb.state, self.setup.kernels.round_kernels
+        scratch = [t.clone() for t in (progress.out, progress.active, progress.generated, progress.hist, state.prev,
+                                       state.cur, state.lengths)]
+        tokens, zeros = torch.zeros(mb.size, self.gamma + 1, dtype=torch.long, device=self.device), \
+            torch.zeros(mb.size, dtype=torch.long, device=self.device)
+        commit_round(tokens[:, 1:], tokens, zeros, zeros, progress.eos, progress.limits, *scratch,
+                     use_kernel=use_kernel)
+        argmax_last(torch.zeros(mb.size, self.stage.config.vocab_size, device=self.device), use_kernel=use_kernel)
+
+    def _round_sampling(self, mb: _MicroBatch, config: GenerationConfig, per_slot: bool) -> SlotSampling:
+        use_kernel = self.setup.kernels.round_kernels
+        if not per_slot:
+            return SlotSampling.batch(config.sampling, mb.size, self.device, use_kernel=use_kernel)
+        params = [replace(config.sampling, seed=config.sampling.seed + g) if g - mb.slots.start < mb.prompts else None
+                  for g in range(mb.slots.start, mb.slots.stop)]
+        generators = [torch.Generator(device=self.device).manual_seed(p.seed) if p is not None and not p.greedy
+                      else None for p in params]
+        return SlotSampling(params, generators, self.device, use_kernel)
+
+    # ---- prefill and the first token ---------------------------------------------------------------------
+    def _prefill(self, mb: _MicroBatch, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+        """The prompts through every stage (and the draft's cache on the first); the last stage's next-token logits
+        [n, V] (zeros elsewhere); the SRH stages' target history and the first stage's hooks are set."""
+        stage = self.stage
+        model = _ChunkThroughStage(stage, self.group, len(prompts))
+        layers = mb.history.layers if mb.history is not None else ()
+        job = PrefillJob(model, mb.cache, self.setup.backend, prompts, chunk, capture_layers=layers)
+        logits, queries = job.run()
+        n = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        view = PrefillView(slice(0, n), prompts, lengths, dict(queries))
+        if mb.history is not None:
+            mb.history.on_prefill(view)
+        if stage.first:
+            draft_job = mb.drafter.prefill(slice(0, n), prompts, chunk)
+            if draft_job is not None:
+                draft_job.run()
+            hooks = replace(view, queries={})  # the first stage's drafter and selector read no target query
+            mb.drafter.on_prefill(hooks)
+            mb.selector.on_prefill(hooks)
+        if stage.last and self.shared_vocab < logits.shape[-1]:
+            logits[..., self.shared_vocab:] = float("-inf")
+        return logits
+
+    def _begin(self, mb: _MicroBatch, prompts: Sequence[Sequence[int]], logits: torch.Tensor,
+               config: GenerationConfig, per_slot: bool) -> None:
+        """The first token of each prompt, picked on the last stage (as Decoder.generate or in-flight serving picks
+        it) and sent to every stage; the slots begin."""
+        n, use_kernel = mb.prompts, self.setup.kernels.round_kernels
+        first = torch.empty(n, dtype=torch.long, device=self.device)
+        if self.stage.last:
+            if per_slot:
+                picks = [SlotSampling.batch(replace(config.sampling, seed=config.sampling.seed + g), 1, self.device,
+                                            seed=config.sampling.seed + g + 1, use_kernel=use_kernel)
+                         .pick(logits[i: i + 1]) for i, g in enumerate(range(mb.slots.start, mb.slots.start + n))]
+                first = torch.cat(picks)
+            else:
+                first = SlotSampling.batch(config.sampling, n, self.device, seed=config.sampling.seed + 1,
+                                           use_kernel=use_kernel).pick(logits)
+            for rank in range(self.group.world - 1):
+                self.group.send(first, rank, _Tag.FIRST)
+        else:
+            self.group.recv(first, self.group.world - 1, _Tag.FIRST, "the first tokens")
+        rows = slice(0, n)
+        mb.state.cur[rows] = first
+        mb.state.prev[rows] = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
+        mb.progress.begin(rows, first, config.max_new_tokens)
+
+    # ---- one round, in two halves: a stage's work, then every stage's commit of the verdict ---------------
+    def _work(self, mb: _MicroBatch) -> None:
+        """This stage's part of the micro-batch's round (module docstring)."""
+        stage, group, setup = self.stage, self.group, self.setup
+        b, sampled = mb.size, not (mb.sampling is None or mb.sampling.all_greedy)
+        if stage.first:
+            proposal = mb.drafter.propose(mb.state, mb.sampling)  # tokens [b, Γ]
+            mb.tokens = torch.cat([mb.state.cur[:, None], proposal.tokens], dim=1)  # [b, Γ+1]
+            mb.indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
+            x = mb.tokens
+        else:
+            src = stage.rank - 1
+            x = group.recv(torch.empty(b, self.gamma + 1, stage.config.hidden_size, dtype=self.dtype,
+                                       device=self.device), src, _Tag.HIDDEN, "the verification's hidden states")
+            mb.tokens = group.recv(torch.empty(b, self.gamma + 1, dtype=torch.long, device=self.device), src,
+                                   _Tag.TOKENS, "the round's tokens")
+            if self.budget is not None:
+                mb.indices = group.recv(torch.empty(b, self.budget, dtype=torch.int32, device=self.device), src,
+                                        _Tag.INDICES, "the verification set")
+        meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices)
+        out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
+        if stage.last:
+            self._accept(mb, out, sampled)
+            return
+        group.send(out, stage.rank + 1, _Tag.HIDDEN)
+        group.send(mb.tokens.clone(), stage.rank + 1, _Tag.TOKENS)
+        if mb.indices is not None:
+            group.send(mb.indices.clone(), stage.rank + 1, _Tag.INDICES)
+        if stage.first and sampled:  # after the forward's messages: the last stage receives in this order
+            last = group.world - 1
+            if self.gamma:
+                group.send(proposal.probs.clone(), last, _Tag.PROBS)
+            group.send(_generator_states(mb.sampling), last, _Tag.STATES)
+
+    def _select(self, mb: _MicroBatch) -> torch.Tensor | None:
+        """The first stage's estimate and select; Dustin's S_target comes summed from the SRH stages."""
+        if self.budget is None:
+            return None
+        lengths = mb.state.lengths
+        scores = mb.selector.estimate(lengths)
+        if self.srh_layers:
+            for layer in self.srh_layers:
+                if not self.stage.owns(layer):
+                    self.group.recv(mb.s_target[layer], self.owner[layer], _Tag.S_TARGET, f"S_target of layer {layer}")
+            scores = (scores[0], sum_in_order(self.srh_layers, mb.s_target, mb.s_target_sum))
+        return mb.selector.select(lengths, scores)
+
+    def _accept(self, mb: _MicroBatch, logits: torch.Tensor, sampled: bool) -> None:
+        """The last stage: the verdict from the logits [b, Γ+1, V], sent to every other stage."""
+        group, b = self.group, mb.size
+        if self.shared_vocab < logits.shape[-1]:
+            logits[..., self.shared_vocab:] = float("-inf")
+        probs = None
+        if sampled:
+            probs = torch.zeros(b, self.gamma, logits.shape[-1], dtype=torch.float32, device=self.device)
+            if self.gamma:
+                group.recv(probs, 0, _Tag.PROBS, "the draft's distributions")
+            states = group.recv(torch.empty_like(_generator_states(mb.sampling)), 0, _Tag.STATES,
+                                "the sampling generator state")
+            _set_generator_states(mb.sampling, states)
+        proposal = Proposal(mb.tokens[:, 1:], probs)
+        acceptor = self._rejection if sampled else self._greedy
+        verdict = acceptor.accept(proposal, logits, mb.progress, mb.sampling)
+        mb.verdict = torch.stack([verdict.accepted, verdict.next_tokens])  # [2, b]
+        for rank in range(group.world - 1):
+            group.send(mb.verdict, rank, _Tag.VERDICT)
+        if sampled:
+            group.send(_generator_states(mb.sampling), 0, _Tag.STATES)
+
+    def _consume(self, mb: _MicroBatch, config: GenerationConfig) -> bool:
+        """Every stage: the micro-batch's verdict observed and committed; whether its next round runs (decided from
+        the Progress, which every stage holds identically)."""
+        stage, group = self.stage, self.group
+        if not stage.last:
+            mb.verdict = group.recv(torch.empty(2, mb.size, dtype=torch.long, device=self.device), group.world - 1,
+                                    _Tag.VERDICT, "the verdict")
+            if stage.first and not mb.sampling.all_greedy:
+                states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
+                                    "the sampling generator state")
+                _set_generator_states(mb.sampling, states)
+        accepted, next_tokens = mb.verdict[0], mb.verdict[1]
+        progress, state = mb.progress, mb.state
+        seen = Observation(accepted, next_tokens, progress.active, state.lengths, mb.indices,
+                           mb.capture.queries if mb.capture is not None else {})
+        if stage.first:  # both read the verdict before the commit moves the state on, as in Decoder.round
+            mb.drafter.observe(seen)
+            mb.selector.observe(seen)
+        if mb.history is not None:
+            mb.history.observe(seen)
+        commit_round(mb.tokens[:, 1:], mb.tokens, accepted, next_tokens, progress.eos, progress.limits, progress.out,
+                     progress.active, progress.generated, progress.hist, state.prev, state.cur, state.lengths,
+                     use_kernel=self.setup.kernels.round_kernels)
+        mb.rounds += 1
+        # Decoder.generate's stop rule: every sync_every rounds the one host read of whether any slot is active.
+        going = mb.rounds < config.max_new_tokens and not (mb.rounds % config.sync_every == 0
+                                                           and not bool(progress.active.any()))
+        if going:
+            self._score_history(mb)
+        return going
+
+    def _score_history(self, mb: _MicroBatch) -> None:
+        """An SRH stage: S_target of the micro-batch's next round, each owned layer's -> the first stage."""
+        if mb.history is None or not self.srh_layers:
+            return
+        scores = mb.history.scores(mb.state.lengths)
+        for layer, score in zip(mb.history.layers, scores, strict=True):
+            if self.stage.first:
+                mb.s_target[layer] = score  # the part's own buffer: read by this round's select
+            else:
+                self.group.send(score.clone(), 0, _Tag.S_TARGET)
+
+
+def _generator_states(sampling: SlotSampling) -> torch.Tensor:
+    """uint8 [n, S]: the state of the batch's generator (n = 1) or of each sampled slot's, in slot order."""
+    generators = [sampling.generators] if sampling.shared else [g for g in sampling.generators if g is not None]
+    return torch.stack([g.get_state() for g in generators]).to(sampling.device)  # NCCL sends device tensors
+
+
+def _set_generator_states(sampling: SlotSampling, states: torch.Tensor) -> None:
+    generators = [sampling.generators] if sampling.shared else [g for g in sampling.generators if g is not None]
+    for g, state in zip(generators, states.cpu(), strict=True):
+        g.set_state(state.clone())

@@ -1,0 +1,292 @@
+"""Pipeline parallelism (runtime/pipeline.py) on the CPU with gloo, against the single-process runtime.
+
+Every method the pipeline runs gives `build_decoder(...).generate`'s tokens, greedy and seeded sampling, on 2 and 3
+processes, with and without micro-batches. With micro-batches the batch's one generator cannot be shared by
+micro-batches in flight, so seeded sampling is compared with per-slot generators there: slot b's tokens must be those
+of a single-slot `generate([prompt_b])` seeded seed + b (greedy runs compare with the batched generate either way).
+The stage chain itself is checked in one process against the whole model, bit for bit.
+
+The ranks are plain processes given torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that
+nothing but the pipeline's own fault handling stops them (test_pipeline_faults.py); `launch` is shared with the
+fault and engine tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import DEVICES
+
+from trtllm_dustin.attention import AttentionMetadata, get_backend
+from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models import load_model
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
+from trtllm_dustin.models.loading import _random_init
+from trtllm_dustin.models.presets import get_preset
+from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.pipeline_selection import PIPELINE_METHODS, pipeline_method
+from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.sampling import SamplingParams
+
+DTYPE = torch.float32
+GAMMA, S_MAX, BATCH = 3, 112, 4
+PROMPTS = [list(range(5, 5 + 60)), [9, 8, 7], list(range(100, 100 + 41)), [200 + i % 13 for i in range(47)]]
+# SRH target layers 1 and 2: on ranks 0 and 1 of 2 stages ([0, 2), [2, 3)), on ranks 1 and 2 of 3, so that S_target is
+# summed across stages and, with 3, the first stage owns none. k = 28 of up to 80 positions: the set really restricts.
+DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)), LayerHeads(2, (1,))),
+                      draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))), budget=28, m=4, n_sink=4,
+                      n_recent=8, gamma=GAMMA)
+CONFIGS = {"greedy": GenerationConfig(max_new_tokens=12, prefill_chunk=32),
+           "sampled": GenerationConfig(max_new_tokens=12, prefill_chunk=32, sampling=SamplingParams(0.9, 0.9, seed=5))}
+REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft"]
+EXTRA = ["dustin-t", "dustin-d", "streamingllm"]  # also split; greedy, 2 processes, one micro-batch
+MICRO = {2: 2, 3: 3}  # micro-batches of the micro-batched runs: one per stage keeps every stage busy
+
+
+def models() -> tuple[Transformer, Transformer]:
+    """tiny-llama and its draft with load_model's random weights (seeds 7 and 8), built on the CPU directly:
+    load_model's meta-device path costs every fresh rank process a one-time import of seconds."""
+    target, draft = Transformer(get_preset("tiny-llama")), Transformer(get_preset("tiny-llama-draft"))
+    _random_init(target, seed=7)
+    _random_init(draft, seed=8)
+    return target.to(DTYPE).eval(), draft.to(DTYPE).eval()
+
+
+@contextmanager
+def one_thread():
+    """The CPU has 2 cores and other tests beside: torch's second thread only contends."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- launching ranks -------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's contract for one rank (what env:// reads), and the plugins' CPU references."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, job: Callable, payload) -> None:
+    """One rank: join the group, run job(group, payload, record), which fills the record; write it to rank<r>.json
+    with the error, if any, that ended the rank."""
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
+
+    record = {}
+    try:
+        with PipelineGroup.from_env("cpu", timeout_s=payload.get("timeout_s", 60)) as group:
+            job(group, payload, record)
+    except BaseException as e:  # recorded for the parent, which checks every rank's outcome
+        record["error"] = f"{type(e).__name__}: {e}"
+        record["traceback"] = traceback.format_exc()
+    record["ended_at"] = time.time()  # the host's clock: comparable across the ranks and the parent
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+class Launch:
+    """`job` on `world` fresh processes, started at once; `join()` gives each rank's record (with `ended_at`, when it
+    stopped, if it did not die) and its exit code."""
+
+    def __init__(self, world: int, job: Callable, payload: dict, out: Path) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.start = out, time.monotonic()
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, world, port, str(out), job, payload))
+                      for rank in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def join(self, wait_s: float = 240.0) -> list[dict]:
+        for p in self.procs:
+            p.join(max(1.0, wait_s - (time.monotonic() - self.start)))
+        for p in self.procs:
+            if p.is_alive():  # a hang: the test fails on its record, and leaves no process behind
+                p.kill()
+                p.join()
+        records = []
+        for rank, p in enumerate(self.procs):
+            file = self.out / f"rank{rank}.json"
+            record = json.loads(file.read_text()) if file.is_file() else {}
+            records.append(record | {"exitcode": p.exitcode})
+        return records
+
+
+def launch(world: int, job: Callable, payload: dict, out: Path, on_start: Callable[[list], None] | None = None
+           ) -> list[dict]:
+    """Launch and join; on_start(processes) runs in between."""
+    ranks = Launch(world, job, payload, out)
+    if on_start is not None:
+        on_start(ranks.procs)
+    return ranks.join()
+
+
+# ---- the jobs ----------------------------------------------------------------------------------------------------
+def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **changes):
+    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, stage_layers
+
+    start, stop = stage_layers(target.config.num_layers, group.world)[group.rank]
+    stage = PipelineStage.from_model(target, start, stop, group.rank, group.world)
+    setup = PipelineSetup(method, stage, group, get_backend("reference"), BATCH, S_MAX, draft_config=draft.config,
+                          draft=draft if group.first else None, gamma=GAMMA, draft_budget=12, dustin=DUSTIN,
+                          micro_batches=micro_batches)
+    return PipelineDecoder(replace(setup, **changes))
+
+
+def run_cases(group, payload, record) -> None:
+    """Every (method, sampling, micro-batches) case on this rank: record["result"], the tokens generate returned."""
+    target, draft = models()
+    record["result"] = {}
+    for method, sampling, micro in payload["cases"]:
+        decoder = pipeline_decoder(group, method, micro, target, draft)
+        record["result"][f"{method}/{sampling}/{micro}"] = decoder.generate(PROMPTS, CONFIGS[sampling]).tokens
+
+
+def cases(world: int) -> list[tuple[str, str, int]]:
+    runs = [(m, s, micro) for m in REQUIRED for s in CONFIGS for micro in (1, MICRO[world])]
+    return runs + ([(m, "greedy", 1) for m in EXTRA] if world == 2 else [])
+
+
+def reference(method: str, sampling: str, per_slot: bool) -> list[list[int]]:
+    """The single-process runtime on the whole model: the batch at once, or (per_slot) each prompt alone in a
+    one-slot decoder seeded seed + its index."""
+    target, draft = models()
+    config = CONFIGS[sampling]
+
+    def decoder(slots: int):
+        return build_decoder(method, MethodSetup(
+            target=target, target_cache=KVCache.allocate(target.config, slots, S_MAX, DTYPE, "cpu"),
+            backend=get_backend("reference"), draft=draft,
+            draft_cache=KVCache.allocate(draft.config, slots, S_MAX, DTYPE, "cpu"), gamma=GAMMA, draft_budget=12,
+            dustin=DUSTIN))
+
+    if not per_slot:
+        return decoder(BATCH).generate(PROMPTS, config).tokens
+    seeded = [replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + b)) for b in range(BATCH)]
+    return [decoder(1).generate([prompt], c).tokens[0] for prompt, c in zip(PROMPTS, seeded, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict[int, list[dict]], dict[tuple[str, str, bool], list[list[int]]]]:
+    """(world -> each rank's record of every case, the references). Both launches and the references run at once:
+    a pipeline's stages wait on one another, and the cores they leave idle do the rest."""
+    launches = {world: Launch(world, run_cases, {"cases": cases(world)}, tmp_path_factory.mktemp(f"pp{world}"))
+                for world in (2, 3)}
+    with pytest.MonkeyPatch.context() as patch, one_thread():
+        patch.setenv("TRITON_INTERPRET", "0")  # the plugins' references on the CPU, as in the ranks
+        # greedy tokens do not depend on the generators: one batched reference serves the micro-batched runs too
+        wanted = [(m, "greedy", False) for m in REQUIRED + EXTRA] + \
+            [(m, "sampled", per_slot) for m in REQUIRED for per_slot in (False, True)]
+        refs = {case: reference(*case) for case in wanted}
+    # The comparisons below can fail: sparse verification changes the text, sampling changes it, and per-slot
+    # generators draw other numbers than the batch's one.
+    assert refs["dustin-h", "greedy", False] != refs["vanilla", "greedy", False]
+    for m in REQUIRED:
+        assert refs[m, "greedy", False] != refs[m, "sampled", False] != refs[m, "sampled", True]
+        assert all(len(t) == CONFIGS["greedy"].max_new_tokens for t in refs[m, "greedy", False])
+    return {world: ranks.join() for world, ranks in launches.items()}, refs
+
+
+@pytest.mark.parametrize("micro", [False, True], ids=["one-batch", "micro-batches"])
+@pytest.mark.parametrize("sampling", list(CONFIGS))
+@pytest.mark.parametrize("method", REQUIRED)
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_equals_the_single_process_runtime(runs, world: int, method: str, sampling: str, micro: bool
+                                                    ) -> None:
+    records, references = runs[0][world], runs[1]
+    assert all("error" not in r and r["exitcode"] == 0 for r in records), [r.get("traceback") for r in records]
+    key = f"{method}/{sampling}/{MICRO[world] if micro else 1}"
+    expected = references[method, sampling, micro and sampling == "sampled"]
+    for record in records:  # every rank holds the run's Progress and returns the same tokens
+        assert record["result"][key] == expected
+
+
+@pytest.mark.parametrize("method", EXTRA)
+def test_other_split_methods_equal_the_single_process_runtime(runs, method: str) -> None:
+    records, references = runs
+    for record in records[2]:
+        assert record["result"][f"{method}/greedy/1"] == references[method, "greedy", False]
+
+
+# ---- in one process ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device,fused", [("cpu", False), ("cpu", True)] + [("cuda", None)] * ("cuda" in DEVICES))
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool | None,
+                                          plugin_references) -> None:
+    """Stages over caches of their own layers reproduce Transformer.forward: the logits, every layer's new K/V, and
+    the queries captured by global layer (into NaN-poisoned buffers). Bit for bit on the CPU in fp32, on the module
+    path and on the fused one (the kernels' references); on CUDA (bf16, the fused kernels) up to the residual add
+    that the stage boundary takes out of the next layer's fused norm."""
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+    from trtllm_dustin.runtime.pipeline import stage_layers
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else DTYPE
+    target = load_model("preset:tiny-llama", device=device, dtype=dtype, seed=7).model
+    target.kernels = KernelConfig(fused_elementwise=fused)  # the stages take the model's
+    config, backend = target.config, get_backend("triton" if cuda else "reference")
+    close = dict(rtol=2e-2, atol=2e-2) if cuda else dict(rtol=0, atol=0)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    lengths = torch.tensor([5, 11], dtype=torch.int32, device=device)  # a random context the new tokens attend to
+    shape = (config.num_layers, 2, config.num_kv_heads, 32, config.head_dim)
+    context_k = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    context_v = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    layers = (1, 2)
+
+    def capture() -> QueryCapture:
+        return QueryCapture(layers, {layer: torch.full((2, 9, config.num_heads, config.head_dim), float("nan"),
+                                                       dtype=dtype, device=device) for layer in layers})
+
+    with torch.inference_mode():
+        whole = KVCache(context_k.clone(), context_v.clone(), lengths.clone())
+        expected_capture = capture()
+        expected = target(tokens, whole, AttentionMetadata(cache_seqlens=whole.seqlens), backend,
+                          capture=expected_capture)
+        x, got_capture = tokens, capture()
+        for rank, (start, stop) in enumerate(stage_layers(config.num_layers, pp_size)):
+            stage = PipelineStage.from_model(target, start, stop, rank, pp_size)
+            local = stage.allocate_cache(2, 32, dtype, device)
+            assert local.num_layers == stop - start
+            local.k.copy_(context_k[start:stop])
+            local.v.copy_(context_v[start:stop])
+            local.seqlens.copy_(lengths)
+            x = stage(x, local, AttentionMetadata(cache_seqlens=local.seqlens), backend, capture=got_capture)
+            assert x.shape == ((2, 9, config.vocab_size) if stage.last else (2, 9, config.hidden_size))
+            torch.testing.assert_close(local.k, whole.k[start:stop], **close)
+            torch.testing.assert_close(local.v, whole.v[start:stop], **close)
+    torch.testing.assert_close(x, expected, **close)
+    for layer in layers:
+        torch.testing.assert_close(got_capture.queries[layer], expected_capture.queries[layer], **close)
+
+
+def test_every_registry_method_runs_split_or_refuses_with_the_fix() -> None:
+    assert set(REQUIRED + EXTRA) == set(PIPELINE_METHODS) and set(PIPELINE_METHODS) <= set(METHODS)
+    for name in METHODS:
+        if name not in PIPELINE_METHODS:
+            with pytest.raises(ConfigError, match=f"method {name} does not run pipeline-parallel .*--pp-size 1"):
+                pipeline_method(name)
