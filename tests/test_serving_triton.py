@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_common import MAX_SEQ_LEN, SERVED, direct_text, prompt_text
+from serving_common import MAX_SEQ_LEN, SERVED, direct_text, prompt_text, reference_kernels
 
 if importlib.util.find_spec("pytriton") is None:  # found, not imported: only its tritonserver files are used
     pytest.skip("nvidia-pytriton (the tritonserver binary) is not installed", allow_module_level=True)
@@ -38,8 +38,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     write_model_repository(repo, SERVED, "dustin")
     write_model_repository(repo, SERVED.with_(decoupled=False, methods=("vanilla", "classic")), "dustin_sync")
     write_model_repository(repo, SERVED.with_(methods=("vanilla",), max_batch=1, queue_size=1), "dustin_tiny_queue")
-    with TritonServer(repo, prepare_pytriton_server(root / "server"), root / "server.log") as s:
-        yield s
+    server = TritonServer(repo, prepare_pytriton_server(root / "server"), root / "server.log")
+    with reference_kernels():  # the server's environment: the plugins' PyTorch references, not the interpreter
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _inputs(module, text: str | None, max_tokens: int, dtype_of_max_tokens=np.int32, ids: list[int] | None = None,
