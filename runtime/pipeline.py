@@ -165,6 +165,9 @@ class _MicroBatch:
     indices: torch.Tensor | None = None  # int32 [b, k] its verification set
     verdict: torch.Tensor | None = None  # int64 [2, b] on the last stage, until every stage has it
     rounds: int = 0
+    # what this stage receives every round, allocated once (a micro-batch's next round starts only after its verdict,
+    # by which time the previous round's messages have been read)
+    inbox: dict[_Tag, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -268,6 +271,17 @@ class PipelineDecoder:
                                           device=self.device) for layer in history.layers}
             capture = QueryCapture(history.layers, queries)
         mb = _MicroBatch(slots, cache, state, capture, history)
+        g1, long = self.gamma + 1, torch.long
+        if not stage.first:
+            mb.inbox[_Tag.HIDDEN] = torch.empty(b, g1, stage.config.hidden_size, dtype=self.dtype, device=self.device)
+            mb.inbox[_Tag.TOKENS] = torch.empty(b, g1, dtype=long, device=self.device)
+            if self.budget is not None:
+                mb.inbox[_Tag.INDICES] = torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
+        if not stage.last:
+            mb.inbox[_Tag.VERDICT] = torch.empty(2, b, dtype=long, device=self.device)
+        elif self.gamma:  # rejection sampling's q (read only by sampled rounds)
+            mb.inbox[_Tag.PROBS] = torch.empty(b, self.gamma, stage.config.vocab_size, dtype=torch.float32,
+                                               device=self.device)
         if stage.first:
             draft = setup.draft if self.spec.needs_draft else None
             dustin = setup.dustin
@@ -422,21 +436,18 @@ class PipelineDecoder:
     def _work(self, mb: _MicroBatch) -> None:
         """This stage's part of the micro-batch's round (module docstring)."""
         stage, group, setup = self.stage, self.group, self.setup
-        b, sampled = mb.size, not (mb.sampling is None or mb.sampling.all_greedy)
+        sampled = not (mb.sampling is None or mb.sampling.all_greedy)
         if stage.first:
             proposal = mb.drafter.propose(mb.state, mb.sampling)  # tokens [b, Γ]
             mb.tokens = torch.cat([mb.state.cur[:, None], proposal.tokens], dim=1)  # [b, Γ+1]
             mb.indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
             x = mb.tokens
         else:
-            src = stage.rank - 1
-            x = group.recv(torch.empty(b, self.gamma + 1, stage.config.hidden_size, dtype=self.dtype,
-                                       device=self.device), src, _Tag.HIDDEN, "the verification's hidden states")
-            mb.tokens = group.recv(torch.empty(b, self.gamma + 1, dtype=torch.long, device=self.device), src,
-                                   _Tag.TOKENS, "the round's tokens")
+            src, inbox = stage.rank - 1, mb.inbox
+            x = group.recv(inbox[_Tag.HIDDEN], src, _Tag.HIDDEN, "the verification's hidden states")
+            mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
             if self.budget is not None:
-                mb.indices = group.recv(torch.empty(b, self.budget, dtype=torch.int32, device=self.device), src,
-                                        _Tag.INDICES, "the verification set")
+                mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
         meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices)
         out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
         if stage.last:
@@ -472,7 +483,7 @@ class PipelineDecoder:
             logits[..., self.shared_vocab:] = float("-inf")
         probs = None
         if sampled:
-            probs = torch.zeros(b, self.gamma, logits.shape[-1], dtype=torch.float32, device=self.device)
+            probs = mb.inbox[_Tag.PROBS] if self.gamma else logits.new_zeros(b, 0, logits.shape[-1])
             if self.gamma:
                 group.recv(probs, 0, _Tag.PROBS, "the draft's distributions")
             states = group.recv(torch.empty_like(_generator_states(mb.sampling)), 0, _Tag.STATES,
@@ -492,8 +503,7 @@ class PipelineDecoder:
         the Progress, which every stage holds identically)."""
         stage, group = self.stage, self.group
         if not stage.last:
-            mb.verdict = group.recv(torch.empty(2, mb.size, dtype=torch.long, device=self.device), group.world - 1,
-                                    _Tag.VERDICT, "the verdict")
+            mb.verdict = group.recv(mb.inbox[_Tag.VERDICT], group.world - 1, _Tag.VERDICT, "the verdict")
             if stage.first and not mb.sampling.all_greedy:
                 states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
                                     "the sampling generator state")

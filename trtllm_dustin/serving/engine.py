@@ -269,13 +269,11 @@ class ServingEngine:
             self._waiting.clear()
         if now < self._drain_deadline or not self._running:
             return
-        for key, job in list(self._running.items()):
-            del self._running[key]
-            self.batchers[job.method].release(job.slot)
+        for job in list(self._running.values()):
             print(f"dustin: request {job.number} ({job.method}) cut after {job.stats.generated_tokens} tokens: the "
                   "server is stopping", file=sys.stderr, flush=True)
-            _send(job, ResponseChunk("", True, job.stats, error=f"the server is shutting down; the request was cut "
-                                     f"after {job.stats.generated_tokens} tokens"))
+            self._end(job, ResponseChunk("", True, job.stats, error=f"the server is shutting down; the request was "
+                                         f"cut after {job.stats.generated_tokens} tokens"))
 
     def _drop_cancelled(self) -> None:
         """Free the slots of requests whose client has gone, and forget waiting ones (called under the lock)."""
@@ -287,20 +285,15 @@ class ServingEngine:
                     job.gone = False
             if not job.gone:
                 continue
-            where = "waiting"
-            if job in self._waiting:
-                self._waiting.remove(job)
-            else:
-                del self._running[(job.method, job.slot)]
-                self.batchers[job.method].release(job.slot)
-                where = f"slot {job.slot}"
+            waiting = job in self._waiting
             self.cancelled_requests += 1
             print(f"dustin: request {job.number} ({job.method}) cancelled by its client after "
-                  f"{job.stats.generated_tokens} tokens; {where} freed", file=sys.stderr, flush=True)
-            try:  # Triton still wants the final response of a cancelled request; its client will not read it
-                job.on_chunk(ResponseChunk("", True, job.stats, error="the request was cancelled", cancelled=True))
-            except Exception:  # noqa: BLE001 - expected when the connection is already closed
-                pass
+                  f"{job.stats.generated_tokens} tokens; {'waiting' if waiting else f'slot {job.slot}'} freed",
+                  file=sys.stderr, flush=True)
+            # Triton still wants the final response of a cancelled request; its client will not read it (a failed
+            # send is expected and not logged).
+            self._end(job, ResponseChunk("", True, job.stats, error="the request was cancelled", cancelled=True),
+                      quiet=True)
 
     def _take_admissible(self) -> list[_Job]:
         """Waiting jobs that have a free slot of their method, oldest first (called under the lock)."""
@@ -329,10 +322,24 @@ class ServingEngine:
             self._deliver(job, update)
 
     def _fail_running(self, method: str, error: Exception) -> None:
-        for key in [k for k in self._running if k[0] == method]:
-            job = self._running.pop(key)
-            self.batchers[method].release(job.slot)
-            _send(job, ResponseChunk("", True, job.stats, error=f"generation failed: {type(error).__name__}: {error}"))
+        for job in [j for (m, _), j in self._running.items() if m == method]:
+            self._end(job, ResponseChunk("", True, job.stats, error=f"generation failed: {type(error).__name__}: "
+                                         f"{error}"))
+
+    def _end(self, job: _Job, chunk: ResponseChunk, quiet: bool = False) -> None:
+        """A job leaves before it finished (cancelled, cut, failed): forget it, free its slot, send its final chunk."""
+        if job in self._waiting:
+            self._waiting.remove(job)
+        elif self._running.get((job.method, job.slot)) is job:
+            del self._running[(job.method, job.slot)]
+            self.batchers[job.method].release(job.slot)
+        if not quiet:
+            _send(job, chunk)
+            return
+        try:
+            job.on_chunk(chunk)
+        except Exception:  # noqa: BLE001 - its connection is already closed
+            pass
 
     def _deliver(self, job: _Job, update: SlotUpdate) -> None:
         stats = job.stats
