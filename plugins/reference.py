@@ -26,14 +26,16 @@ def _causal_limit(cache_seqlens: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _masked_attention(q, k_cache, v_cache, allowed, softmax_scale):
-    """q [B, T, H_q, D]; caches [B, H_kv, S, D]; allowed bool [B, T, S] -> out [B, T, H_q, D], lse [B, T, H_q]."""
+    """q [B, T, H_q, D]; caches [B, H_kv, S, D]; allowed bool [B, T, S] (or [B, T, H_kv, S]: per KV head)
+    -> out [B, T, H_q, D], lse [B, T, H_q]."""
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
     group = heads_q // heads_kv
     cd = _compute_dtype(q.dtype)
     qg = q.to(cd).reshape(batch, t, heads_kv, group, head_dim)  # [B, T, H_kv, G, D]
     scores = torch.einsum("btkgd,bksd->btkgs", qg, k_cache.to(cd)) * softmax_scale
-    scores = scores.masked_fill(~allowed[:, :, None, None, :], float("-inf"))
+    mask = allowed[:, :, :, None, :] if allowed.dim() == 4 else allowed[:, :, None, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, T, H_kv, G]
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("btkgs,bksd->btkgd", probs, v_cache.to(cd))
@@ -64,18 +66,21 @@ def prefill_attention_ref(q, k_cache, v_cache, cache_seqlens, query_lens=None, s
 
 
 def sparse_verify_attention_ref(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale=None):
-    """Query t attends to {indices[b, i] >= 0} plus the new tokens L_b .. L_b + t."""
+    """Query t attends to {indices[b, i] >= 0} plus the new tokens L_b .. L_b + t; indices [B, K] (one set for every
+    head) or [B, H_kv, K] (a set per KV head)."""
     batch, t = q.shape[:2]
-    s_max = k_cache.shape[2]
+    heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    selected = torch.zeros(batch, s_max + 1, dtype=torch.bool, device=q.device)
-    slots = torch.where(indices >= 0, indices.long(), s_max)  # padding lands in the spare column
-    selected.scatter_(1, slots, True)
+    sets = indices if indices.dim() == 3 else indices[:, None]  # [B, H_kv or 1, K]
+    selected = torch.zeros(batch, sets.shape[1], s_max + 1, dtype=torch.bool, device=q.device)
+    slots = torch.where(sets >= 0, sets.long(), s_max)  # padding lands in the spare column
+    selected.scatter_(2, slots, True)
     positions = torch.arange(s_max, device=q.device)
     limit = _causal_limit(cache_seqlens, t)  # [B, T]
     new_tokens = (positions[None, None, :] >= cache_seqlens.long()[:, None, None]) & (
-        positions[None, None, :] <= limit[:, :, None])
-    allowed = selected[:, None, :s_max] | new_tokens
+        positions[None, None, :] <= limit[:, :, None])  # [B, T, S]
+    allowed = selected[:, None, :, :s_max] | new_tokens[:, :, None, :]  # [B, T, H_kv or 1, S]
+    allowed = allowed.expand(batch, t, heads_kv, s_max) if indices.dim() == 3 else allowed[:, :, 0]
     out, _ = _masked_attention(q, k_cache, v_cache, allowed, scale)
     return out.to(q.dtype)
 

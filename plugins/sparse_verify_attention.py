@@ -1,7 +1,8 @@
 """Sparse verification attention (paper Sec. 4.1): attend only to the selected KV entries.
 
 Query token t of sequence b attends to {indices[b, i] : indices[b, i] >= 0} (context positions
-chosen by Eq. 6, unique, in [0, L_b)) plus the new tokens L_b .. L_b + t. The kernel walks a
+chosen by Eq. 6, unique, in [0, L_b)) plus the new tokens L_b .. L_b + t; with indices [B, H_kv, K]
+each KV head reads its own set (per-KV-head verification, an evaluation option). The kernel walks a
 virtual key list of K + T items (the K index slots, then the T new tokens), gathers each item's
 K/V row and skips padding (-1); the index order does not matter. GQA sharing and split-KV are
 as in verify_attention: one program serves all T * G rows of a (sequence, KV head) pair.
@@ -85,7 +86,7 @@ def _sparse_verify_attention_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    stride_ib,
+    stride_ib, stride_ih,
     stride_ob, stride_ot, stride_oh,
     batch, num_kv_heads, num_indices, num_splits, qk_scale_log2,
     T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -102,7 +103,7 @@ def _sparse_verify_attention_kernel(
 
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    idx_base = indices_ptr + b.to(tl.int64) * stride_ib
+    idx_base = indices_ptr + b.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih  # stride_ih 0: one set
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     q, t_row, head, row_ok = _query_rows(q_ptr, offs_m, b, kv_head, stride_qb, stride_qt, stride_qh, offs_d, T, GROUP)
     q = compute_q(q, k_ptr)
@@ -192,7 +193,8 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
       k_cache, v_cache: [B, H_kv, S_max, D] same dtype (q's, or float8_e4m3fn: plugins/kv_dtype.py), last dim
                      contiguous, any other strides
       cache_seqlens: int32 [B], L_b; positions L_b .. L_b + T - 1 already hold the new tokens
-      indices:       int32 [B, K], last dim contiguous; valid entries unique in [0, L_b), padding -1
+      indices:       int32 [B, K] (one set for every head) or [B, H_kv, K] (a set per KV head), last dim
+                     contiguous; valid entries unique in [0, L_b), padding -1
       out:           [B, T, H_q, D] q.dtype, last dim contiguous (written)
       lse:           fp32 [B, T, H_q] contiguous (written, natural log over the attended set)
       grid:          (num_splits * row_blocks, B * H_kv); a program owns block_m of the T * G rows
@@ -204,7 +206,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
-    num_indices = indices.shape[1]
+    num_indices = indices.shape[-1]
     group = heads_q // heads_kv
     if num_splits is None:
         num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
@@ -232,7 +234,7 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        indices.stride(0),
+        indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
         out.stride(0), out.stride(1), out.stride(2),
         batch, heads_kv, num_indices, num_splits, softmax_scale * LOG2E,
         T=t, GROUP=group, HEAD_DIM=head_dim, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -265,15 +267,18 @@ def sparse_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Attention of T new tokens over the selected cache entries plus the new tokens (causal).
 
     q [B, T, H_q, D]; k_cache, v_cache [B, H_kv, S_max, D]; cache_seqlens int32 [B];
-    indices int32 [B, K]: valid entries unique in [0, L_b) in any order, padding -1 (skipped).
+    indices int32 [B, K]: valid entries unique in [0, L_b) in any order, padding -1 (skipped); or [B, H_kv, K], a
+    set per KV head (each KV head reads its own rows).
     Returns out [B, T, H_q, D] in q.dtype. pdl: launch with programmatic dependent launch where the device
     supports it (KernelConfig.pdl).
     """
     check_attention_inputs("sparse_verify_attention", q, k_cache, v_cache, cache_seqlens)
     batch, t, heads_q, head_dim = q.shape
-    if indices.dim() != 2 or indices.shape[0] != batch or indices.dtype != torch.int32:
+    heads_kv = k_cache.shape[1]
+    per_head = indices.dim() == 3 and indices.shape[1] == heads_kv
+    if not (indices.dim() == 2 or per_head) or indices.shape[0] != batch or indices.dtype != torch.int32:
         raise ValueError(f"sparse_verify_attention: indices is {indices.dtype} {tuple(indices.shape)}; "
-                         f"expected int32 [{batch}, K] (pad unused slots with -1)")
+                         f"expected int32 [{batch}, K] or [{batch}, {heads_kv}, K] (pad unused slots with -1)")
     if indices.device != q.device:
         raise ValueError(f"sparse_verify_attention: indices is on {indices.device} but q is on {q.device}")
     if indices.stride(-1) != 1:

@@ -67,6 +67,12 @@ class Decoder:
                                                  device=self.device) for layer in self.target_hidden_layers}
         self._capture = QueryCapture(layers, dict(self.verify_queries), dict(self.verify_hidden)) \
             if layers or self.target_hidden_layers else None
+        # A selector that re-runs the target over the round's tokens (the evaluation oracle) reads the round state;
+        # one with `per_layer` returns a set per decoder layer ([L, B, k]), which the model hands layer by layer.
+        bind = getattr(selector, "bind", None)
+        if bind is not None:
+            bind(self.state)
+        self._per_layer_sets = bool(getattr(selector, "per_layer", False))
         self._greedy = GreedyAcceptor(kernels.round_kernels)
         self._rejection = RejectionAcceptor(kernels.round_kernels)
         self._untimed = PhaseTimer(False, self.device)
@@ -163,7 +169,9 @@ class Decoder:
     def _verify(self, draft_tokens: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
         self.verify_tokens[:, 0] = self.state.cur
         self.verify_tokens[:, 1:] = draft_tokens
-        meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=indices)
+        layered = indices is not None and self._per_layer_sets
+        meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=None if layered else indices,
+                                 layer_indices=indices if layered else None)
         logits = self.target(self.verify_tokens, self.cache, meta, self.backend, capture=self._capture)  # [B, Γ+1, V]
         return self.shared_logits(logits)
 

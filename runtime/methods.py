@@ -37,6 +37,8 @@ from trtllm_dustin.runtime.selectors import (
     AdaptiveShare,
     DustinSelector,
     FullVerification,
+    OracleSelector,
+    PeriodicFullVerification,
     QuestSelector,
     SnapKVSelector,
     StreamingLLMSelector,
@@ -76,6 +78,7 @@ class Method:
     sparse: bool = False  # verifies against a selected set of k positions (the selector has a budget)
     offered: bool = True  # a user option (CLI, model repository); False: evaluation only
     needs_longspark: bool = False  # drafts with a LongSpark drafter (no draft model, no draft cache)
+    eager_only: bool = False  # decides on the host round by round: build with use_cuda_graph=False (evaluation)
 
     @property
     def speculative(self) -> bool:
@@ -110,7 +113,8 @@ def _full(setup: MethodSetup, drafter: Drafter) -> Selector:
     return FullVerification()
 
 
-def _dustin(variant: str, adaptive: bool = False) -> SelectorFactory:
+def _dustin(variant: str, adaptive: bool = False, history_decay: float | None = None,
+            per_kv_head: bool = False) -> SelectorFactory:
     def build(setup: MethodSetup, drafter: Drafter) -> Selector:
         setup.dustin.check_models(setup.target.config, setup.draft.config)
         config = setup.dustin.variant(variant)
@@ -118,7 +122,21 @@ def _dustin(variant: str, adaptive: bool = False) -> SelectorFactory:
         share = AdaptiveShare(lookahead.confidence, config.budget - config.n_sink - config.n_recent) \
             if adaptive else None
         return DustinSelector(config, setup.target_cache, setup.target.config, setup.target.embed.weight.dtype,
-                              lookahead, share, pdl=setup.kernels.pdl)
+                              lookahead, share, pdl=setup.kernels.pdl, history_decay=history_decay,
+                              per_kv_head=per_kv_head)
+    return build
+
+
+def _periodic(every: int) -> SelectorFactory:
+    def build(setup: MethodSetup, drafter: Drafter) -> Selector:
+        return PeriodicFullVerification(_dustin("h")(setup, drafter), every)
+    return build
+
+
+def _oracle(kind: str) -> SelectorFactory:
+    def build(setup: MethodSetup, drafter: Drafter) -> Selector:
+        return OracleSelector(kind, _budget(setup)[0], setup.target, setup.target_cache, setup.backend,
+                              drafter.tokens)
     return build
 
 
@@ -160,6 +178,8 @@ def _quest(setup: MethodSetup, drafter: Drafter) -> Selector:
 
 
 _FULL_DRAFT = _model_drafter(lambda s: FullCacheView())
+HISTORY_DECAY = 0.9  # dustin-h-accum: the running sum's decay per round (about 10 rounds, 25 committed tokens, of memory)
+PERIODIC_EVERY = 4  # dustin-h-periodic: one round in 4 verifies in full
 METHODS: dict[str, Method] = {
     "vanilla": Method(_no_draft, _full, "plain decoding, one token per step", needs_draft=False),
     "classic": Method(_FULL_DRAFT, _full, "Classic SD: full-cache draft, full verification"),
@@ -182,6 +202,23 @@ METHODS: dict[str, Method] = {
     "dustin-h-adaptive": Method(_FULL_DRAFT, _dustin("h", adaptive=True),
                                 "Dustin-H with m from the draft's confidence (evaluation only)", needs_dustin=True,
                                 sparse=True, offered=False),
+    # Closing Dustin's gap to full verification (issue 24; evaluation only, benchmarks/eval_quality.py): the oracle
+    # ceilings, and three changes to Dustin-H measured against it at equal k.
+    "oracle": Method(_FULL_DRAFT, _oracle("all"), "the top k by the target's true attention of the round's queries "
+                     "(an extra full pass; evaluation only)", sparse=True, offered=False, eager_only=True),
+    "oracle-layer": Method(_FULL_DRAFT, _oracle("layer"), "the oracle with a set per layer (evaluation only)",
+                           sparse=True, offered=False, eager_only=True),
+    "oracle-kv-head": Method(_FULL_DRAFT, _oracle("kv-head"), "the oracle with a set per KV head (evaluation only)",
+                             sparse=True, offered=False, eager_only=True),
+    "dustin-h-accum": Method(_FULL_DRAFT, _dustin("h", history_decay=HISTORY_DECAY),
+                             f"Dustin-H whose S_target sums the committed tokens' attention over rounds (decay "
+                             f"{HISTORY_DECAY}; evaluation only)", needs_dustin=True, sparse=True, offered=False),
+    "dustin-h-kv-head": Method(_FULL_DRAFT, _dustin("h", per_kv_head=True),
+                               "Dustin-H with a set per KV head (evaluation only)", needs_dustin=True, sparse=True,
+                               offered=False),
+    "dustin-h-periodic": Method(_FULL_DRAFT, _periodic(PERIODIC_EVERY),
+                                f"Dustin-H verifying every {PERIODIC_EVERY}th round in full (evaluation only)",
+                                needs_dustin=True, sparse=True, offered=False, eager_only=True),
     "longspark": Method(_longspark, _full, "LongSpark: fixed-cost block-parallel draft (--longspark), full "
                         "verification", needs_draft=False, needs_longspark=True),
     "dustin-h-longspark": Method(_longspark, _dustin_longspark("h"), "LongSpark draft, Dustin-H sparse verification "
@@ -207,6 +244,9 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
                           "model: the packaged one)")
     if spec.needs_longspark and setup.longspark.target is not setup.target:
         raise ConfigError(f"method {method}: the LongSpark drafter is attached to another target model than this one")
+    if spec.eager_only and setup.use_cuda_graph and setup.target_cache.seqlens.device.type == "cuda":
+        raise ConfigError(f"{method} decides on the host round by round and cannot run in CUDA graphs; build it with "
+                          "use_cuda_graph=False (it is evaluation only)")
     if spec.needs_dustin and setup.dustin is None:
         raise ConfigError(f"{method} needs a Dustin configuration (SRH layers/heads, budget, m); pass "
                           "--dustin-config FILE, written by `trtllm-dustin search` for this target/draft pair")

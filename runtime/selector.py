@@ -3,12 +3,14 @@
 A selector with `budget` None verifies against the full cache (Classic SD, MagicDec, vanilla). Otherwise
 `estimate` scores the committed context and `select` returns the round's set I_verify, int32 [B, k] (valid cache
 positions sorted ascending, then -1; all of [0, L_b) while L_b <= k), one set per slot for every layer and head.
+Evaluation selectors may also return [B, H_kv, k] (a set per KV head) or, with the attribute `per_layer` True,
+[L, B, k] (a set per decoder layer); one with a `bind(state)` method is handed the decoder's RoundState.
 Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host sync). Per-slot
 hooks: `on_prefill` (prompt-time state of newly admitted slots) and `observe` (each round's verdict, before the
 commit).
 
 Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
-the input-aware share of dustin-h-adaptive), streamingllm.py, snapkv.py, quest.py.
+the input-aware share of dustin-h-adaptive), streamingllm.py, snapkv.py, quest.py, oracle.py (evaluation only).
 """
 
 from __future__ import annotations

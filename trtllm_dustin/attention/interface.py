@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,7 +18,11 @@ class AttentionMetadata:
     """
 
     cache_seqlens: torch.Tensor  # int32 [B]: committed length L_b; the T new tokens sit at L_b .. L_b+T-1
-    indices: torch.Tensor | None = None  # int32 [B, K]: sparse verification set I in [0, L_b), -1 = padding
+    indices: torch.Tensor | None = None  # int32 [B, K]: sparse verification set I in [0, L_b), -1 = padding; or
+    # [B, H_kv, K]: a set per KV head (evaluation: per-KV-head sets, runtime/selectors/oracle.py, dustin.py)
+    # int32 [L, B, K] or [L, B, H_kv, K]: a set per decoder layer, which the model gives each layer as its `indices`
+    # (evaluation only: the per-layer oracle); None: `indices` for every layer
+    layer_indices: torch.Tensor | None = None
     max_kv_len: int | None = None  # host-known bound on L_b + T (eager prefill only): lets backends read less
     # int32 [B]: the real new tokens of each sequence in a ragged prefill chunk (rows past them are padding, their
     # outputs unspecified); None: all T
@@ -26,7 +30,13 @@ class AttentionMetadata:
 
     @property
     def sparse(self) -> bool:
-        return self.indices is not None
+        return self.indices is not None or self.layer_indices is not None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with: its own set when there is one per layer."""
+        if self.layer_indices is None:
+            return self
+        return replace(self, indices=self.layer_indices[layer], layer_indices=None)
 
 
 class AttentionBackend(ABC):

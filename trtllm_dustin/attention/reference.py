@@ -25,18 +25,21 @@ def full_attention_mask(cache_seqlens: torch.Tensor, num_new: int, num_keys: int
 
 def gather_sparse_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                      indices: torch.Tensor, num_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys/values of I_b followed by the T new positions, and the [B, 1, T, K+T] visibility mask."""
+    """Keys/values of I_b followed by the T new positions, and the visibility mask: [B, 1, T, K+T] for one set
+    (indices [B, K]), [B, H_kv, T, K+T] for a set per KV head (indices [B, H_kv, K])."""
     B, H, _, D = k_cache.shape
+    sets = indices if indices.dim() == 3 else indices[:, None].expand(B, H, -1)  # [B, H_kv, K]
     new_pos = cache_seqlens.long()[:, None] + torch.arange(num_new, device=k_cache.device)  # [B, T]
-    positions = torch.cat([indices.long().clamp_min(0), new_pos], dim=1)  # [B, K+T]
-    gather = positions[:, None, :, None].expand(B, H, -1, D)
+    positions = torch.cat([sets.long().clamp_min(0), new_pos[:, None].expand(B, H, num_new)], dim=2)  # [B, H, K+T]
+    gather = positions[..., None].expand(B, H, -1, D)
     k = torch.gather(k_cache, 2, gather)  # [B, H_kv, K+T, D]
     v = torch.gather(v_cache, 2, gather)
-    K = indices.shape[1]
+    K = indices.shape[-1]
     t = torch.arange(num_new, device=k_cache.device)
-    old_ok = (indices >= 0)[:, None, :].expand(B, num_new, K)  # [B, T, K]
-    new_ok = (t[None, :] <= t[:, None])[None].expand(B, num_new, num_new)  # [B, T, T]: causal among new
-    return k, v, torch.cat([old_ok, new_ok], dim=2)[:, None]
+    valid = indices >= 0 if indices.dim() == 3 else (indices >= 0)[:, None]  # [B, H_kv or 1, K]
+    old_ok = valid[:, :, None, :].expand(-1, -1, num_new, K)  # [B, H_kv or 1, T, K]
+    new_ok = (t[None, :] <= t[:, None])[None, None].expand(B, old_ok.shape[1], num_new, num_new)  # causal among new
+    return k, v, torch.cat([old_ok, new_ok], dim=3)
 
 
 class ReferenceAttention(AttentionBackend):
@@ -57,6 +60,8 @@ class ReferenceAttention(AttentionBackend):
             k, v = k_cache[:, :, :S], v_cache[:, :, :S]
             mask = full_attention_mask(meta.cache_seqlens, T, S)
         k, v = k.to(q.dtype), v.to(q.dtype)  # a no-op unless the cache is fp8
+        if mask.shape[1] > 1 and Hq != mask.shape[1]:  # a set per KV head: each query head takes its group's mask
+            mask = mask.repeat_interleave(Hq // mask.shape[1], dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=Hq != k.shape[1])  # [B, H_q, T, D]
         return out.transpose(1, 2)

@@ -107,7 +107,7 @@ class Attention(nn.Module):
             buffer = capture.queries[layer_index]  # keeps the queries of the last buffer.shape[1] tokens
             buffer.copy_(q[:, T - buffer.shape[1]:])
         k_cache, v_cache = cache.layer(layer_index)
-        out = backend.attend(q, k_cache, v_cache, meta)  # [B, T, H_q, D]
+        out = backend.attend(q, k_cache, v_cache, meta.for_layer(layer_index))  # [B, T, H_q, D]
         return project(out.reshape(B, T, Hq * D))
 
 

@@ -1,0 +1,118 @@
+"""The oracle verification set (evaluation only): what sparse verification could keep if it knew the answer.
+
+Each round the oracle first runs the target over the round's Γ + 1 verification tokens with full attention (an
+extra full pass: no deployable method can afford it) and takes every layer's true attention of those queries. Its
+set is the top k of [0, L_b) by that attention:
+
+  oracle           summed over all layers, heads and queries: one set for every layer and head, the shape Dustin's
+                   layer-invariant set has (the ceiling of any [B, k] selector)
+  per layer        summed over heads and queries, a set per layer: what layer invariance itself costs
+  per KV head      summed over layers and each KV head's query heads: what one set for every head costs
+
+The target's probabilities are normalised over the causal range [0, L_b + t] of query t, as the verification pass
+sees them; the sets are sorted ascending and padded with -1, and hold all of [0, L_b) while L_b <= k. The full
+pass writes the round's K/V at L_b .. L_b + Γ; the sparse verification that follows writes them again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
+from trtllm_dustin.plugins.selection import keep_all_indices
+from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.state import Observation, RoundState
+
+__all__ = ["ORACLE_KINDS", "OracleSelector", "attention_mass", "top_k_set"]
+
+ORACLE_KINDS = ("all", "layer", "kv-head")
+
+
+def attention_mass(q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, per_kv_head: bool = False
+                   ) -> torch.Tensor:
+    """The attention the T queries at L_b + t put on each committed position j < L_b, summed over queries and heads.
+
+    q [B, T, H_q, D]; k_cache [B, H_kv, S, D]; lengths int32 [B]. Softmax over the causal range [0, L_b + t] in fp32.
+    Returns fp32 [B, S] (0 at j >= L_b), or [B, H_kv, S] summed within each KV head's query heads.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    qg = q.float().reshape(B, T, Hkv, group, D)
+    scores = torch.einsum("btkgd,bksd->bkgts", qg, k_cache.float()) / math.sqrt(D)  # [B, H_kv, G, T, S]
+    positions = torch.arange(S, device=q.device)
+    limit = lengths.long()[:, None] + torch.arange(T, device=q.device)  # [B, T]: the last key query t sees
+    visible = positions[None, None, :] <= limit[:, :, None]  # [B, T, S]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
+    mass = probs.sum(dim=(2, 3))  # [B, H_kv, S]
+    mass = mass * (positions[None, :] < lengths.long()[:, None])[:, None]
+    return mass if per_kv_head else mass.sum(1)
+
+
+def top_k_set(scores: torch.Tensor, lengths: torch.Tensor, budget: int, batch_axis: int = 0) -> torch.Tensor:
+    """The top `budget` of [0, L_b) by scores, whose last axis is the positions and `batch_axis` the batch ([B, S],
+    [B, H_kv, S]; [L, B, ...] with batch_axis 1): int32 of the same shape with `budget` in the last axis, sorted
+    ascending; every position of [0, L_b) then -1 while L_b <= budget."""
+    view = [1] * scores.dim()
+    view[batch_axis] = lengths.shape[0]
+    length = lengths.long().reshape(view)
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    every = keep_all_indices(lengths, budget).reshape(view[:-1] + [budget])
+    if budget >= scores.shape[-1]:  # every L_b < S fits: nothing to choose
+        return every.expand(*scores.shape[:-1], budget).contiguous()
+    masked = scores.float().masked_fill(positions >= length, float("-inf"))
+    chosen = torch.topk(masked, budget, dim=-1, sorted=False).indices.to(torch.int32).sort(dim=-1).values
+    return torch.where(length > budget, chosen, every)
+
+
+class OracleSelector:
+    """The oracle set of one kind (ORACLE_KINDS), from a full pass of the target over the round's tokens."""
+
+    def __init__(self, kind: str, budget: int, target: Transformer, cache: KVCache, backend: AttentionBackend,
+                 draft_tokens: torch.Tensor) -> None:
+        if kind not in ORACLE_KINDS:
+            raise ValueError(f"oracle kind {kind!r}: choose one of {', '.join(ORACLE_KINDS)}")
+        self.kind, self.budget, self.target, self.cache, self.backend = kind, budget, target, cache, backend
+        self.per_layer = kind == "layer"  # the decoder gives each layer its own row of the set
+        self.draft_tokens = draft_tokens  # the drafter's proposal buffer [B, Γ]
+        self.target_query_layers: tuple[int, ...] = ()
+        self.state: RoundState | None = None
+        config = target.config
+        slots, gamma = draft_tokens.shape
+        dtype = target.embed.weight.dtype
+        self._queries = {layer: torch.zeros(slots, gamma + 1, config.num_heads, config.head_dim, dtype=dtype,
+                                            device=draft_tokens.device) for layer in range(config.num_layers)}
+        self._capture = QueryCapture(tuple(range(config.num_layers)), self._queries)
+        self._tokens = torch.zeros(slots, gamma + 1, dtype=torch.long, device=draft_tokens.device)
+
+    def bind(self, state: RoundState) -> None:
+        """The decoder's round state: the oracle's full pass starts at the last committed token (state.cur)."""
+        self.state = state
+
+    def on_prefill(self, view: PrefillView) -> None:
+        """No prompt-time state."""
+
+    def estimate(self, lengths: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            raise RuntimeError("OracleSelector: bind(decoder.state) first (build_decoder does)")
+        self._tokens[:, 0] = self.state.cur
+        self._tokens[:, 1:] = self.draft_tokens
+        self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
+                    capture=self._capture)
+        per_head = self.kind == "kv-head"
+        masses = [attention_mass(self._queries[layer], self.cache.k[layer], lengths, per_head)
+                  for layer in range(self.target.config.num_layers)]
+        return torch.stack(masses) if self.per_layer else torch.stack(masses).sum(0)
+
+    def select(self, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return top_k_set(scores, lengths, self.budget, batch_axis=1 if self.per_layer else 0)
+
+    def observe(self, seen: Observation) -> None:
+        """Nothing kept: every round's set comes from its own full pass."""
+
+    def draft_share(self) -> None:
+        return None
