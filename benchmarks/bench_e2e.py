@@ -3,8 +3,9 @@
 Random weights of the real shapes (a step costs the same whatever the values). Every method, vanilla included,
 runs the runtime's own round (Decoder.round) from its registry entry. Random weights accept nothing useful, so
 speculative rounds commit accepted counts drawn from a stated distribution (stated_acceptance.py: a truncated
-geometric with per-token acceptance alpha, solved so that E[accepted + 1] = tau; the paper's tau: 2.8 for Llama,
-2.2 for Qwen) while every kernel runs for real: these rows are labelled "stated tau", and their tokens/s is
+geometric with per-token acceptance alpha, solved so that E[accepted + 1] = tau; the paper's tau per method: for
+Llama-3.1-8B + 1B Dustin 2.8, Classic SD 2.7, MagicDec 2.6 (Table 10, batch 16, 32K), 2.2 for Qwen) while every
+kernel runs for real: these rows are labelled "stated tau", and their tokens/s is
 B * tau / round time at the stated tau (what the timed rounds actually committed is kept beside it as
 tokens_per_s_realized). Per (pair, batch) one cache is sized for the longest context that fits and contexts are
 swept by setting the committed lengths, so every method captures its CUDA graphs once, as a server with a static
@@ -19,7 +20,12 @@ W = 256, R = 16, a block of 7 slots proposing Γ). Their stated tau is the pair'
 A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
 (e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
 
+--budget K1,K2,... runs every sparse method at each Dustin budget k (the quality-speed frontier, plot_frontier.py); the
+headline rows at the real pair's measured tau are computed from these round times by measured_tau.py.
+
     python benchmarks/bench_e2e.py --pair llama-8b --batches 8,16 --contexts 8192,16384,24576,32768,65536
+    python benchmarks/bench_e2e.py --pair llama-8b --batches 16 --contexts 32768 --budget 512,1024,2048,4096 \
+        --methods vanilla,classic,dustin-h,dustin-h-sparse-draft
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import argparse
 import csv
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -83,8 +89,13 @@ class Pair:
     target: str
     draft: str
     gamma: int
-    tau: float  # the paper's mean accepted length for this family
+    tau: float  # the paper's mean accepted length for this family (Dustin's)
     dustin: DustinConfig  # paper-sized estimator: 1 target layer x 4 heads, 3 draft layers x 4 heads
+    method_tau: dict[str, float] = field(default_factory=dict)  # the paper's own tau of a baseline, where it differs
+
+    def stated_tau(self, method: str) -> float:
+        """The stated tau of a registered method (its +fp8kv twin takes the same): the paper's per-method value."""
+        return self.method_tau.get(method, self.tau)
 
 
 def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers: tuple[int, ...],
@@ -96,8 +107,10 @@ def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers:
 
 
 PAIRS = {
+    # Table 10 of the paper (Llama-3.1-8B + 1B, batch 16, 32K): Classic SD 2.7, MagicDec 2.6, Dustin 2.8
     "llama-8b": Pair("preset:llama-3.1-8b", "preset:llama-3.2-1b", 3, 2.8,
-                     _paper_sized(16, (0, 8, 16, 24), (4, 8, 12), (0, 8, 16, 24))),
+                     _paper_sized(16, (0, 8, 16, 24), (4, 8, 12), (0, 8, 16, 24)),
+                     method_tau={"classic": 2.7, "magicdec": 2.6}),
     "qwen-7b": Pair("preset:qwen2.5-7b", "preset:qwen2.5-0.5b", 3, 2.2,
                     _paper_sized(14, (0, 7, 14, 21), (6, 12, 18), (0, 3, 7, 10))),
     "qwen-14b": Pair("preset:qwen2.5-14b", "preset:qwen2.5-0.5b", 3, 2.2,
@@ -172,18 +185,21 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
         layers = longspark_layers(target.config.num_layers, pair.dustin.target_layers[0].layer)
         spark = random_longspark(target, seed=2, target_layers=layers)
-    for method in args.methods:
+    runs = [(method, budget) for method in args.methods
+            for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
+    for method, budget in runs:
         base, fp8 = split_method(method)
+        dustin = pair.dustin.with_budget(budget) if budget is not None else pair.dustin
         decoder = build_decoder(base, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
                                                   draft_cache=dcache8 if fp8 else dcache, gamma=gamma,
-                                                  dustin=pair.dustin, longspark=spark,
+                                                  dustin=dustin, longspark=spark,
                                                   use_cuda_graph=device.type == "cuda", kernels=kernels))
         ratio = args.tau_ratios.get(method, 1.0)
-        tau = (args.tau or pair.tau) * ratio if decoder.gamma else 1.0
+        tau = (args.tau or pair.stated_tau(base)) * ratio if decoder.gamma else 1.0
         probs, alpha = stated_acceptance(tau, gamma) if decoder.gamma else (probs, alpha)
         acceptor = StatedAcceptor(probs.to(device), use_kernel=kernels.round_kernels) if decoder.gamma else None
         for context in [c for c in contexts if c <= longest]:
-            row = {"batch": batch, "context": context, "method": method}
+            row = {"batch": batch, "context": context, "method": method, "budget": budget}
             # Ids both models embed: Qwen2.5-7B's vocabulary (152064) is larger than the 0.5B draft's (151936), and
             # an id past the draft's table trips the draft embedding's device-side assert (seen on the H200).
             tokens = torch.randint(0, min(target.config.vocab_size, draft.config.vocab_size), (batch,), device=device)
@@ -300,7 +316,11 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated registered methods, a speculative one optionally with +fp8kv "
                         f"(default: {','.join(DEFAULT_METHODS)})")
-    parser.add_argument("--tau", type=float, default=None, help="stated mean accepted length (default: the pair's)")
+    parser.add_argument("--tau", type=float, default=None, help="one stated mean accepted length for every method "
+                        "(default: the paper's per method: Llama 2.8 (Dustin), Classic SD 2.7, MagicDec 2.6 (Table "
+                        "10); Qwen 2.2)")
+    parser.add_argument("--budget", default=None, help="Dustin's k, comma-separated: every sparse method runs at each "
+                        "(m carried over as the same share of the free slots; default: the pair's config's, 512)")
     parser.add_argument("--tau-ratios", default="", help="METHOD=R,...: that method's stated tau is the pair's times R "
                         "(a measured ratio of its tau to the autoregressive draft's on the real pair)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
@@ -317,6 +337,15 @@ def main() -> None:
     args.kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
                                    for flag, (field, _) in SWITCHES.items()})
     args.methods = args.methods.split(",")
+    try:
+        args.budgets = [int(k) for k in args.budget.split(",")] if args.budget else [PAIRS[args.pair].dustin.budget]
+    except ValueError:
+        raise SystemExit(f"--budget {args.budget!r}: expected comma-separated integers (e.g. 512,1024)") from None
+    for k in args.budgets:  # a budget the config cannot take fails here, before the models load
+        try:
+            PAIRS[args.pair].dustin.with_budget(k)
+        except ValueError as error:
+            raise SystemExit(f"--budget {k}: {error}") from None
     for method in args.methods:  # a bad +fp8kv name fails here, before the models load
         split_method(method)
     try:
@@ -349,11 +378,13 @@ def main() -> None:
                     **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
                     "kernels": json.loads(args.kernels.to_json()), "pdl_supported": pdl_supported(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "
-                    + pair.dustin.to_json(), "engine": engine_record, "wall_s": time.perf_counter() - t0,
+                    + pair.dustin.to_json(), "budgets": args.budgets,
+                    "stated_tau": {m: args.tau or pair.stated_tau(split_method(m)[0]) for m in args.methods},
+                    "engine": engine_record, "wall_s": time.perf_counter() - t0,
                     "rows": rows})
     with open(out.with_suffix(".csv"), "w", newline="") as f:
-        fields = ["batch", "context", "method", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round", "tau_stated",
-                  "tau_realized", "tokens_per_s_realized", "floor_ms", "fraction_of_floor", "skipped"]
+        fields = ["batch", "context", "method", "budget", "tokens_per_s", "speedup_vs_vanilla", "ms_per_round",
+                  "tau_stated", "tau_realized", "tokens_per_s_realized", "floor_ms", "fraction_of_floor", "skipped"]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

@@ -211,12 +211,12 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
                 free = decode(decoder, pre, new_tokens)
                 per_sample = []
                 if task == "books":
-                    forced = decode(decoder, pre, new_tokens, teacher=[s.continuation for s in batch])
+                    forced = decode(decoder, pre, new_tokens, teacher=[s.continuation[:new_tokens] for s in batch])
                     if variant.method == "classic":
                         full_lp = forced["logprobs"]
                     if full_lp is None:
                         raise SystemExit("books needs classic (the FullKV reference) in --methods, listed first")
-                    per_sample = [book_metrics(forced["logprobs"][b], full_lp[b], s.continuation)
+                    per_sample = [book_metrics(forced["logprobs"][b], full_lp[b], s.continuation[:new_tokens])
                                   for b, s in enumerate(batch)]
                 else:
                     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in free["tokens"]]
@@ -301,6 +301,43 @@ def _goals(summary: dict, args, context: int, tasks: list[str], full: dict) -> l
     return ["Goals:", "", *lines, ""]
 
 
+def task_mean(summary: dict, context: int, tasks: list[str], key: str, budget: int | None) -> float | None:
+    """The mean over tasks of each task's primary metric (x 100), or None when a task has no row."""
+    rows = [_get(summary, t, context, key, budget) for t in tasks]
+    if any(r is None for r in rows):
+        return None
+    return float(np.mean([100 * r[PRIMARY[t]]["mean"] for t, r in zip(tasks, rows, strict=True)]))
+
+
+def _fidelity(summary: dict, args, context: int, tasks: list[str], full: dict) -> list[str]:
+    """Task mean, books tau and KL of every method and budget against FullKV, and how much of Dustin-H's gap to the
+    oracle each method closes at each budget (issue 24)."""
+    full_mean = task_mean(summary, context, tasks, "classic", None)
+    if full_mean is None:
+        return []
+    methods = [m for m in args.methods if m != "classic"]
+    base_tau = full["books"]["tau"]["mean"] if full.get("books") else None
+    lines = [f"Fidelity at {context}: the task mean (x 100) against FullKV's {full_mean:.1f}; books greedy tau as a "
+             "share of FullKV's and KL(full || sparse); `closes` is the share of Dustin-H's task-mean gap to the "
+             "oracle (one set for every layer and head) that the method closes at that budget.", "",
+             "| method | k | task mean | vs FullKV | books tau | books KL | closes |", "|---|---|---|---|---|---|---|"]
+    for k in args.budgets:
+        ours = task_mean(summary, context, tasks, "dustin-h", k)
+        oracle = task_mean(summary, context, tasks, "oracle", k)
+        for m in methods:
+            mean = task_mean(summary, context, tasks, m, k)
+            if mean is None:
+                continue
+            books = _get(summary, "books", context, m, k)
+            tau = f"{books['tau']['mean'] / base_tau:.1%}" if books and base_tau else "-"
+            kl = f"{books['kl']['mean']:.4f}" if books else "-"
+            closes = "-"
+            if m not in ("dustin-h", "oracle") and ours is not None and oracle is not None and oracle != ours:
+                closes = f"{(mean - ours) / (oracle - ours):+.0%}"
+            lines.append(f"| {m} | {k} | {mean:.1f} | {mean - full_mean:+.1f} | {tau} | {kl} | {closes} |")
+    return [*lines, ""]
+
+
 def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
     lines = []
     methods = [m for m in args.methods if m != "classic"]
@@ -315,6 +352,7 @@ def markdown(summary: dict, args, tasks_present: list[tuple[str, int]]) -> str:
                 lines.append(f"| {m} | {k} | " + " | ".join(_cell(_get(summary, t, context, m, k), full[t], t)
                                                            for t in tasks) + " |")
         lines.append("")
+        lines += _fidelity(summary, args, context, tasks, full)
         lines += _goals(summary, args, context, tasks, full)
         if "books" in tasks:
             lines += [f"Books at {context}: KL(full || sparse) in nats per token and greedy tau (ratio to FullKV).", "",

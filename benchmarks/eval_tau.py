@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                         help="0 = greedy; > 0 samples (rejection sampling, top-p 1), seeded (default: 0)")
     parser.add_argument("--dustin-config", default=None, help="DustinConfig JSON for dustin methods")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None,
+                        help="Dustin's k: every sparse method runs at each (m carried over as the same share of the "
+                        "free slots; default: the Dustin config's)")
     parser.add_argument("--docs", type=int, default=8, help="windows per family (round-robin over documents)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--ppl", action="store_true", help="also the draft's and target's perplexity")
@@ -156,6 +159,14 @@ def main() -> None:
     longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
     backend = get_backend("triton" if device.type == "cuda" else "reference")
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
+    if dustin is None and any(METHODS[m].needs_dustin for m in args.methods) and args.target is None \
+            and args.draft == "smollm2-draft":
+        from trtllm_dustin.models.loading import default_dustin_config_path
+
+        args.dustin_config = str(default_dustin_config_path())  # searched for the packaged pair
+        dustin = DustinConfig.load(args.dustin_config)
+    budgets = args.budgets or [dustin.budget if dustin else None]
+    configs = {k: dustin.with_budget(k) if dustin and k else dustin for k in budgets}
     draft_dtype = draft_kv_dtype(args.draft_kv_cache, dtype)
     documents = load_documents(args.prompts, target.tokenizer)
     rows = []
@@ -166,7 +177,9 @@ def main() -> None:
                 print(f"{family} @ {context}: no test document is that long; skipped")
                 continue
             row_ppl = perplexities(target.model, draft, [p for _, p in prompts], device) if args.ppl else {}
-            for method, gamma, temperature in itertools.product(args.methods, args.gammas, args.temperatures):
+            runs = [(m, g, t, k) for m, g, t in itertools.product(args.methods, args.gammas, args.temperatures)
+                    for k in (budgets if METHODS[m].sparse else [None])]
+            for method, gamma, temperature, budget in runs:
                 hist, draft_ms, rounds_run = [0] * (gamma + 1), 0.0, 0
                 sampling = SamplingParams(temperature, 1.0, seed=0)
                 t0 = time.perf_counter()
@@ -174,7 +187,7 @@ def main() -> None:
                     batch = [p for _, p in prompts[i: i + args.batch_size]]
                     setup = MethodSetup(
                         target=target.model, backend=backend, draft=draft if METHODS[method].needs_draft else None,
-                        gamma=gamma, dustin=dustin, longspark=longspark,
+                        gamma=gamma, dustin=configs[budget] if budget else dustin, longspark=longspark,
                         target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
                         draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device)
                         if METHODS[method].needs_draft else None)
@@ -186,7 +199,7 @@ def main() -> None:
                     rounds_run += result.rounds
                 rounds = sum(hist)
                 tau = sum((n + 1) * c for n, c in enumerate(hist)) / rounds
-                row = {"family": family, "context": context, "method": method, "gamma": gamma,
+                row = {"family": family, "context": context, "method": method, "budget": budget, "gamma": gamma,
                        "temperature": temperature, "tau": tau, "windows": len(prompts), "committed_hist": hist,
                        "seconds": time.perf_counter() - t0, **row_ppl, "documents": [d for d, _ in prompts]}
                 if args.profile:  # batched rounds: the draft phase of one round of the whole batch
@@ -196,7 +209,8 @@ def main() -> None:
                          f"{row_ppl['ppl_draft_in_head']:.2f} (head covers {row_ppl['head_coverage']:.3f}), top-1 "
                          f"agree {row_ppl['top1_agreement']:.3f}") if row_ppl else ""
                 cost = f", draft {row['draft_ms_per_round']:.2f} ms/round" if args.profile else ""
-                print(f"{family:6s} ctx {context:5d} {method} gamma {gamma} T {temperature}: tau {tau:.3f} "
+                at = f" k {budget}" if budget else ""
+                print(f"{family:6s} ctx {context:5d} {method}{at} gamma {gamma} T {temperature}: tau {tau:.3f} "
                       f"({len(prompts)} windows, {rounds} sequence-rounds){cost}{extra}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
     save_json(out, {**environment(), "target": target.source, "draft": args.draft,
@@ -204,15 +218,16 @@ def main() -> None:
                     "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                     "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
                     "split": "test", "rows": rows})
-    cols = list(itertools.product(args.methods, args.gammas, args.temperatures))
-    table = ["| family | context | " + " | ".join(f"{m} Γ={g} T={t:g}" for m, g, t in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    cols = list(dict.fromkeys((r["method"], r["gamma"], r["temperature"], r["budget"]) for r in rows))
+    table = ["| family | context | " + " | ".join(f"{m}{f' k={k}' if k else ''} Γ={g} T={t:g}" for m, g, t, k in cols)
+             + " |", "|---|---|" + "---|" * len(cols)]
     for context in args.contexts:
         for family in args.families:
-            taus = {(r["method"], r["gamma"], r["temperature"]): r["tau"] for r in rows
+            taus = {(r["method"], r["gamma"], r["temperature"], r["budget"]): r["tau"] for r in rows
                     if r["family"] == family and r["context"] == context}
             if taus:
-                table.append(f"| {family} | {context} | " + " | ".join(f"{taus[c]:.2f}" for c in cols) + " |")
+                table.append(f"| {family} | {context} | " + " | ".join(f"{taus[c]:.2f}" if c in taus else "-"
+                                                                      for c in cols) + " |")
     out.with_suffix(".md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 

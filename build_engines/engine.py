@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
     if dustin is not None:
         dustin.check_models(tc, draft_ckpt.config if draft_ckpt is not None else None)
         if limits.budget is not None and limits.budget != dustin.budget:
-            dustin = replace(dustin, budget=limits.budget)
+            dustin = dustin.with_budget(limits.budget)  # m scaled to the same share of the free slots
     spark_config = longspark_config(longspark) if longspark is not None else None
     if spark_config is not None:
         spark_config.check_target(tc)

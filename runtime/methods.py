@@ -178,7 +178,7 @@ def _quest(setup: MethodSetup, drafter: Drafter) -> Selector:
 
 
 _FULL_DRAFT = _model_drafter(lambda s: FullCacheView())
-HISTORY_DECAY = 0.9  # dustin-h-accum: the running sum's decay per round (about 10 rounds, 25 committed tokens, of memory)
+HISTORY_DECAY = 0.9  # dustin-h-accum: the running sum's decay per round (a memory of about 10 rounds, 25 tokens)
 PERIODIC_EVERY = 4  # dustin-h-periodic: one round in 4 verifies in full
 METHODS: dict[str, Method] = {
     "vanilla": Method(_no_draft, _full, "plain decoding, one token per step", needs_draft=False),

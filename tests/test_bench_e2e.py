@@ -87,4 +87,28 @@ def test_bench_e2e_runs_every_default_method_on_tiny_shapes(tmp_path: Path) -> N
             assert row["tau_stated"] == 2.8 and 1 <= row["tau_realized"] <= GAMMA + 1
             assert set(row["phase_ms_per_round"]) >= {"draft", "verify", "accept"}
     assert json.loads(json.dumps(result["kernels"]))["round_kernels"] is True
-    assert out.with_suffix(".csv").read_text().startswith("batch,context,method,tokens_per_s")
+    assert out.with_suffix(".csv").read_text().startswith("batch,context,method,budget,tokens_per_s")
+
+
+def test_budget_runs_every_sparse_method_at_each_k_and_full_ones_once(tmp_path: Path) -> None:
+    out = tmp_path / "e2e_budgets.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--batches", "2",
+                    "--contexts", "72", "--rounds", "2", "--device", "cpu", "--methods",
+                    "vanilla,classic,dustin-h,dustin-h-sparse-draft", "--budget", "24,40", "--out", str(out)],
+                   check=True, env=env, cwd=BENCHMARKS, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert sorted((r["method"], r["budget"] or 0) for r in result["rows"]) == [
+        ("classic", 0), ("dustin-h", 24), ("dustin-h", 40), ("dustin-h-sparse-draft", 24),
+        ("dustin-h-sparse-draft", 40), ("vanilla", 0)]
+    assert result["budgets"] == [24, 40]
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--budget", "10",
+                          "--device", "cpu"], env=env, cwd=BENCHMARKS, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--budget 10" in bad.stderr and "sinks + recent window = 12" in bad.stderr
+
+
+def test_stated_tau_is_the_papers_per_method() -> None:
+    llama = bench_e2e.PAIRS["llama-8b"]
+    assert [llama.stated_tau(m) for m in ("classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")] == \
+        [2.7, 2.6, 2.8, 2.8]
+    assert bench_e2e.PAIRS["qwen-7b"].stated_tau("classic") == 2.2

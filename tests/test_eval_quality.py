@@ -232,3 +232,21 @@ def test_units_in_parallel_merge_and_a_failure_stops_the_run(tmp_path, monkeypat
     monkeypatch.setattr(eval_quality, "unit_commands", lambda a, u, o: fake_commands(a, u, o, fail=(8192, "vt")))
     with pytest.raises(SystemExit, match="q2_8192_vt.json: exit status 3"):
         eval_quality.run_units_in_parallel([], units, tmp_path / "q2.json", jobs=2)
+
+
+def test_fidelity_table_means_tasks_and_measures_the_gap_closed() -> None:
+    """Task mean = the mean of each task's primary metric; `closes` = (method - Dustin-H) / (oracle - Dustin-H)."""
+    def row(value):
+        return {"string_match": {"mean": value, "ci95": [0, 1]}, "tau": {"mean": 2.0}}
+    summary = {}
+    for key, budget, needle, vt in [("classic", None, 0.8, 0.6), ("dustin-h", 128, 0.4, 0.2),
+                                    ("oracle", 128, 0.8, 0.4), ("dustin-h-accum", 128, 0.6, 0.3)]:
+        summary[f"needle|4096|{key}|{budget}"] = row(needle)
+        summary[f"vt|4096|{key}|{budget}"] = row(vt)
+    assert eval_quality.task_mean(summary, 4096, ["needle", "vt"], "dustin-h", 128) == pytest.approx(30.0)
+    args = type("Args", (), {"methods": ["classic", "dustin-h", "oracle", "dustin-h-accum"], "budgets": [128]})()
+    full = {"needle": summary["needle|4096|classic|None"], "vt": summary["vt|4096|classic|None"]}
+    lines = eval_quality._fidelity(summary, args, 4096, ["needle", "vt"], full)
+    accum = next(line for line in lines if line.startswith("| dustin-h-accum"))
+    # task means: FullKV 70, Dustin-H 30, oracle 60, accum 45: half of the gap to the oracle
+    assert accum == "| dustin-h-accum | 128 | 45.0 | -25.0 | - | - | +50% |"

@@ -17,8 +17,9 @@ import math
 from dataclasses import replace
 
 import pytest
+import test_speculative
 import torch
-from test_speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, env, run, vanilla_tokens  # noqa: F401 (fixtures)
+from test_speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.dustin_config import LayerHeads
@@ -33,6 +34,7 @@ from trtllm_dustin.runtime.selectors.oracle import attention_mass, top_k_set
 from trtllm_dustin.runtime.state import Observation
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
+env, vanilla_tokens = test_speculative.env, test_speculative.vanilla_tokens  # its module-scoped fixtures
 
 
 # ---- attention mass and top-k ----------------------------------------------------------------------------------------
@@ -107,12 +109,16 @@ def one_set_per_group(q, k, v, lengths, sets, G):
                       for g in range(k.shape[1])], dim=2)
 
 
-@pytest.mark.parametrize("path", ["kernel", "plugin reference", "reference backend"])
+@pytest.mark.parametrize("path", ["kernel", "plugin reference", "reference backend", "kernel on cuda"])
 def test_a_set_per_kv_head_reads_only_its_rows(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, lengths, sets, G = per_head_problem()
     want = one_set_per_group(q, k, v, lengths, sets, G)
     kp, vp = poisoned(k, sets, lengths, q.shape[1]), poisoned(v, sets, lengths, q.shape[1])
-    if path == "kernel":
+    if path == "kernel on cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        got = sparse_verify_attention(*(x.cuda() for x in (q, kp, vp, lengths, sets))).cpu()
+    elif path == "kernel":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         got = sparse_verify_attention(q, kp, vp, lengths, sets)
@@ -153,7 +159,7 @@ def test_a_set_per_layer_reads_only_that_layers_rows(env: Env) -> None:
     assert not torch.allclose(target(tokens, fresh, shared, backend), clean, atol=1e-3)  # the layers' sets matter
 
 
-# ---- the oracle -------------------------------------------------------------------------------------------------------
+# ---- the oracle ------------------------------------------------------------------------------------------------------
 def oracle_and_truth(env: Env, method: str, budget: int = 24):
     """A decoder of `method` after a run, its next set, and the true attention of an independent full pass."""
     decoder, _ = run(method, env, dustin=dustin_config(budget=budget, m=2, n_recent=4), max_new=8)

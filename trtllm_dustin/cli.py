@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dustin-config", type=Path, default=None,
                      help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
                      "pair: the packaged one)")
+    gen.add_argument("--budget", type=int, default=None,
+                     help="Dustin's k, the cached positions each sparse verification reads (default: the Dustin "
+                     "config's; m is carried over as the same share of the free slots)")
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.add_argument("--engine", type=Path, default=None,
                      help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
@@ -147,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--dustin-config", type=Path, default=None,
                       help="Dustin estimator config (JSON written by `trtllm-dustin search`), copied into the repo; "
                       "None for the default pair: the packaged one")
+    repo.add_argument("--budget", type=int, default=None,
+                      help="Dustin's k for the served dustin methods (default: the Dustin config's; m is carried over "
+                      "as the same share of the free slots)")
     repo.add_argument("--max-batch", type=int, default=8, help="batch slots per method (in-flight batching)")
     repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
     repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
@@ -675,7 +681,9 @@ def _triton_repo(args: argparse.Namespace) -> int:
         from trtllm_dustin.build_engines.engine import open_engine
 
         dustin = None
-
+        if args.budget is not None:
+            raise ValueError(f"--budget {args.budget}: a served engine keeps the budget it was built with; rebuild it "
+                             f"with `trtllm-dustin build --budget {args.budget} ...`, or drop --budget")
         opened = open_engine(args.engine, device=args.device, serving=True)
         limits = opened.manifest.limits
         if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
@@ -795,6 +803,8 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
                           "target/draft pair with `trtllm-dustin search`")
     if dustin is not None:
         dustin.check_models(target.config, draft.config if draft is not None else None)
+        if getattr(args, "budget", None) is not None:
+            dustin = dustin.with_budget(args.budget)
         print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}; fingerprints match)",
               flush=True)
     return draft, dustin

@@ -66,6 +66,17 @@ class DustinConfig:
         if not self.target_layers and not self.draft_layers:
             raise ConfigError("a Dustin config needs at least one target or draft SRH layer")
 
+    def with_budget(self, budget: int) -> DustinConfig:
+        """This config at another budget k, m carried over as the same share of the free slots (k - sinks - recent);
+        the SRH layers and heads, which the search chose independently of k, stay."""
+        if budget == self.budget:
+            return self
+        protected = self.n_sink + self.n_recent
+        if budget <= protected:
+            raise ConfigError(f"--budget {budget} must exceed sinks + recent window = {protected}; raise it")
+        free, old_free = budget - protected, self.budget - protected
+        return replace(self, budget=budget, m=max(0, min(free, round(self.m * free / old_free))))
+
     def variant(self, name: str) -> DustinConfig:
         """dustin-h keeps m; dustin-t gives the whole free budget to S_target, dustin-d to S_draft."""
         if name not in VARIANTS:

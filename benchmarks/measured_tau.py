@@ -1,0 +1,125 @@
+"""End-to-end throughput at the real pair's measured tau (issue 24): the headline rows.
+
+bench_e2e.py times every method's round at the paper's shapes with random weights, so its tokens/s is B x tau /
+round time at a stated tau. A round's work has fixed shapes whatever it accepts, so the same measured round time
+gives the throughput at any tau. This script takes the round times of an e2e run and the tau the real pair measured
+(eval_tau.py on the test split, greedy: SmolLM2-135M + the packaged draft), and writes each row at
+
+    tau_measured(method) = stated tau of Classic SD (the paper's, 2.7 for Llama-3.1-8B, Table 10)
+                           x tau_real(method at its budget) / tau_real(classic)
+
+pooled over the eval's windows (every family and context; the ratio per context is kept beside it). Classic SD
+itself stays at its stated tau, vanilla at 1. Methods the eval did not measure (at that budget) get no measured row.
+
+    python benchmarks/measured_tau.py --e2e benchmarks/results/fidelity/e2e_budget_llama-8b_h200.json \\
+        --tau benchmarks/results/fidelity/tau_by_method_h200.json --out benchmarks/results/fidelity/headline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from common import environment, save_json
+
+
+def pooled_tau(rows: list[dict]) -> float:
+    hist = [sum(col) for col in zip(*(r["committed_hist"] for r in rows), strict=True)]
+    return sum((n + 1) * c for n, c in enumerate(hist)) / max(sum(hist), 1)
+
+
+def measured_ratios(tau_rows: list[dict], temperature: float = 0.0) -> dict[tuple[str, int | None], dict]:
+    """(method, budget) -> {ratio, per_context, windows}: the method's pooled tau over Classic SD's on the same
+    windows (every family and context of the eval, at `temperature`)."""
+    rows = [r for r in tau_rows if r.get("temperature", 0.0) == temperature]
+    by_key = defaultdict(list)
+    for r in rows:
+        by_key[(r["method"], r.get("budget"))].append(r)
+    classic = by_key.get(("classic", None))
+    if not classic:
+        raise SystemExit("--tau: the eval has no classic rows (run eval_tau.py with --methods classic ...)")
+    out = {}
+    for (method, budget), mine in by_key.items():
+        contexts = sorted({r["context"] for r in mine})
+        per_context = {}
+        for c in contexts:
+            base = [r for r in classic if r["context"] == c]
+            own = [r for r in mine if r["context"] == c]
+            per_context[c] = {"tau": pooled_tau(own), "classic_tau": pooled_tau(base),
+                              "ratio": pooled_tau(own) / pooled_tau(base), "windows": sum(r["windows"] for r in own)}
+        base_all = [r for r in classic if r["context"] in contexts]
+        out[(method, budget)] = {"tau": pooled_tau(mine), "classic_tau": pooled_tau(base_all),
+                                 "ratio": pooled_tau(mine) / pooled_tau(base_all), "per_context": per_context}
+    return out
+
+
+def headline_rows(e2e: dict, ratios: dict, classic_stated: float) -> list[dict]:
+    rows = []
+    vanilla = {(r["batch"], r["context"]): r for r in e2e["rows"] if r.get("method") == "vanilla"}
+    for r in e2e["rows"]:
+        if "ms_per_round" not in r:
+            continue
+        method, budget = r["method"], r.get("budget")
+        out = {k: r.get(k) for k in ("batch", "context", "method", "budget", "ms_per_round", "tau_stated",
+                                     "tokens_per_s", "speedup_vs_vanilla")}
+        if method == "vanilla":
+            measured = {"tau": 1.0, "ratio": None}
+        else:
+            found = ratios.get((method, budget)) or (ratios.get((method, None)) if budget is None else None)
+            measured = {"tau": classic_stated * found["ratio"], "ratio": found["ratio"],
+                        "per_context": found["per_context"]} if found else None
+        if measured is not None:
+            tokens = r["batch"] * measured["tau"] / r["ms_per_round"] * 1e3
+            out.update(tau_measured=measured["tau"], measured_ratio=measured["ratio"],
+                       tokens_per_s_measured_tau=tokens)
+            base = vanilla.get((r["batch"], r["context"]))
+            if base is not None:
+                out["speedup_measured_tau"] = tokens / base["tokens_per_s"]
+        rows.append(out)
+    return rows
+
+
+def markdown(rows: list[dict], classic_stated: float) -> str:
+    lines = [f"Tokens/s (speedup over vanilla) at the measured tau (Classic SD's stated {classic_stated} x the real "
+             "pair's ratio) and, in the last column, at the paper's stated tau per method.", "",
+             "| batch | context | method | k | ms / round | measured tau | tokens/s at measured tau | "
+             "stated tau | tokens/s at stated tau |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = (f"{r['tau_measured']:.2f} | {r['tokens_per_s_measured_tau']:.0f} "
+                    f"({r.get('speedup_measured_tau', float('nan')):.2f}x)") if "tau_measured" in r else "- | -"
+        stated = f"{r['tau_stated']:.2f}" if r.get("tau_stated") else "1"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['budget'] or '-'} | "
+                     f"{r['ms_per_round']:.2f} | {measured} | {stated} | {r['tokens_per_s']:.0f} "
+                     f"({r.get('speedup_vs_vanilla', float('nan')):.2f}x) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--e2e", type=Path, required=True, help="a bench_e2e.py JSON")
+    parser.add_argument("--tau", type=Path, required=True, help="an eval_tau.py JSON with classic among its methods")
+    parser.add_argument("--classic-tau", type=float, default=2.7,
+                        help="Classic SD's stated tau the ratios multiply (default: 2.7, the paper's Table 10 for "
+                        "Llama-3.1-8B + 1B at batch 16, 32K)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON; a markdown table is written beside it")
+    args = parser.parse_args()
+    for path in (args.e2e, args.tau):
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist")
+    e2e, tau = json.loads(args.e2e.read_text()), json.loads(args.tau.read_text())
+    ratios = measured_ratios(tau["rows"])
+    rows = headline_rows(e2e, ratios, args.classic_tau)
+    save_json(args.out, {**environment(), "e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "tau": str(args.tau),
+                         "tau_git_sha": tau.get("git_sha"), "classic_stated_tau": args.classic_tau,
+                         "ratios": [{"method": m, "budget": k, **v} for (m, k), v in sorted(
+                             ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))],
+                         "rows": rows})
+    table = markdown(rows, args.classic_tau)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

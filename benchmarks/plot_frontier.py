@@ -1,0 +1,126 @@
+"""The quality-speed frontier of Dustin's budget k (issue 24): task-mean quality against round time.
+
+Quality comes from eval_quality.py runs (the real pair, 4K and 8K test-split tasks: the mean over tasks of each task's
+primary metric); the round time of the same k from a bench_e2e.py --budget run (Llama-3.1-8B + 3.2-1B shapes, random
+weights, one H200). One curve per method, a point per k measured by both; FullKV (Classic SD) is a line at its quality
+and a point at its round time; the oracle (an extra full pass per round, so no deployable cost) is drawn at Dustin-H's
+round time of the same k. The default k is the largest whose round is within --cost-slack of k = 512's, so the best
+quality that costs no more than that; the script prints it and each method's gap to FullKV there.
+
+    python benchmarks/plot_frontier.py --quality benchmarks/results/fidelity/quality_fidelity_h200.json \\
+        --e2e benchmarks/results/fidelity/e2e_budget_llama-8b_h200.json --out benchmarks/results/fidelity/frontier.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match",
+           "qa": "string_match_part"}
+CURVES = ("dustin-h", "dustin-h-sparse-draft")
+
+
+def quality_means(summaries: list[dict]) -> dict[tuple[int, str, int | None], float]:
+    """(context, key, budget) -> task mean x 100 over the tasks every row of that context has."""
+    merged: dict[str, dict] = {}
+    for summary in summaries:  # later files win: list the main run last
+        merged.update(summary)
+    cells: dict[tuple[int, str, int | None], dict[str, float]] = {}
+    for name, row in merged.items():
+        task, context, key, budget = name.split("|")
+        if task in PRIMARY:
+            cells.setdefault((int(context), key, None if budget == "None" else int(budget)), {})[task] = \
+                100 * row[PRIMARY[task]]["mean"]
+    out = {}
+    for (context, key, budget), tasks in cells.items():
+        full = cells.get((context, "classic", None), {})
+        if full and set(tasks) == set(full):
+            out[(context, key, budget)] = sum(tasks.values()) / len(tasks)
+    return out
+
+
+def round_times(e2e: dict, batch: int, context: int) -> dict[tuple[str, int | None], float]:
+    return {(r["method"], r.get("budget")): r["ms_per_round"] for r in e2e["rows"]
+            if r.get("batch") == batch and r.get("context") == context and "ms_per_round" in r}
+
+
+def default_budget(times: dict, method: str, slack: float) -> tuple[int, list[int]]:
+    """The largest k whose round is within `slack` of k = 512's, and every k that is."""
+    base = times[(method, 512)]
+    within = sorted(k for (m, k), ms in times.items() if m == method and k is not None and ms <= base * (1 + slack))
+    return max(within), within
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quality", type=Path, nargs="+", required=True, help="eval_quality.py JSONs (main run last)")
+    parser.add_argument("--e2e", type=Path, required=True, help="bench_e2e.py --budget JSON")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--e2e-context", type=int, default=32768, help="the context whose round times are used")
+    parser.add_argument("--cost-slack", type=float, default=0.03, help="allowed round-time growth over k = 512's")
+    parser.add_argument("--out", type=Path, required=True, help="PNG; the numbers go to a .json beside it")
+    args = parser.parse_args()
+    for path in [*args.quality, args.e2e]:
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist")
+    quality = quality_means([json.loads(p.read_text())["summary"] for p in args.quality])
+    e2e = json.loads(args.e2e.read_text())
+    times = round_times(e2e, args.batch, args.e2e_context)
+    if ("dustin-h", 512) not in times:
+        raise SystemExit(f"{args.e2e}: no dustin-h row at k = 512, batch {args.batch}, context {args.e2e_context}")
+    contexts = sorted({c for c, _, _ in quality})
+    choice = {m: default_budget(times, m, args.cost_slack) for m in CURVES if (m, 512) in times}
+    report = {"e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "quality": [str(p) for p in args.quality],
+              "batch": args.batch, "e2e_context": args.e2e_context, "cost_slack": args.cost_slack,
+              "round_ms": [{"method": m, "budget": k, "ms": ms} for (m, k), ms in sorted(times.items(),
+                                                                                      key=lambda x: (x[0][0],
+                                                                                                     x[0][1] or 0))],
+              "task_mean": [{"context": c, "method": m, "budget": k, "mean": v}
+                            for (c, m, k), v in sorted(quality.items(), key=lambda x: (x[0][0], x[0][1],
+                                                                                       x[0][2] or 0))],
+              "default": {}}
+    for method, (k, within) in choice.items():
+        gaps = {c: quality.get((c, method, k), float("nan")) - quality[(c, "classic", None)] for c in contexts}
+        report["default"][method] = {"budget": k, "within_slack": within, "gap_to_fullkv": gaps,
+                                     "round_ms": times[(method, k)], "round_ms_512": times[(method, 512)]}
+        print(f"{method}: k = {k} is the largest within {args.cost_slack:.0%} of k = 512's round "
+              f"({times[(method, k)]:.2f} vs {times[(method, 512)]:.2f} ms); task mean vs FullKV: "
+              + ", ".join(f"{c}: {g:+.1f}" for c, g in gaps.items()))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.2 * len(contexts), 4.6), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        full = quality[(context, "classic", None)]
+        ax.axhline(full, color="black", linestyle="--", label=f"FullKV (Classic SD) {full:.1f}")
+        if ("classic", None) in times:
+            ax.plot([times[("classic", None)]], [full], marker="s", color="black", linestyle="none")
+        for method, style in zip((*CURVES, "oracle"), ("-o", "-o", ":^"), strict=True):
+            clock = "dustin-h" if method == "oracle" else method
+            points = sorted((k, times[(clock, k)], quality[(context, method, k)]) for (c, m, k) in quality
+                            if c == context and m == method and (clock, k) in times)
+            if not points:
+                continue
+            label = "oracle (quality ceiling, at Dustin-H's round time)" if method == "oracle" else method
+            ax.plot([p[1] for p in points], [p[2] for p in points], style, label=label)
+            for k, ms, mean in points:
+                ax.annotate(f"k={k}", (ms, mean), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"round time, ms (Llama-3.1-8B + 1B shapes, B = {args.batch}, {args.e2e_context // 1024}K, H200)")
+        ax.set_ylabel("task mean (x 100), SmolLM2-135M pair")
+        ax.set_title(f"quality at {context // 1024}K against round time at {args.e2e_context // 1024}K", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
