@@ -100,6 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--e2e", type=Path, required=True, help="a bench_e2e.py JSON")
     parser.add_argument("--tau", type=Path, required=True, help="an eval_tau.py JSON with classic among its methods")
+    parser.add_argument("--tau-fp8", type=Path, default=None,
+                        help="an eval_tau.py --draft-kv-cache fp8 JSON on the same windows: its methods' rows give the "
+                        "+fp8kv rows, each over the --tau file's (bf16) Classic SD")
     parser.add_argument("--classic-tau", type=float, default=2.7,
                         help="Classic SD's stated tau the ratios multiply (default: 2.7, the paper's Table 10 for "
                         "Llama-3.1-8B + 1B at batch 16, 32K)")
@@ -109,10 +112,17 @@ def main() -> None:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist")
     e2e, tau = json.loads(args.e2e.read_text()), json.loads(args.tau.read_text())
-    ratios = measured_ratios(tau["rows"])
+    tau_rows = list(tau["rows"])
+    if args.tau_fp8 is not None:
+        fp8 = json.loads(args.tau_fp8.read_text())
+        if fp8.get("draft_kv_cache") != "fp8":
+            raise SystemExit(f"--tau-fp8 {args.tau_fp8} was run with --draft-kv-cache {fp8.get('draft_kv_cache')}")
+        tau_rows += [{**r, "method": r["method"] + "+fp8kv"} for r in fp8["rows"]]
+    ratios = measured_ratios(tau_rows)
     rows = headline_rows(e2e, ratios, args.classic_tau)
     save_json(args.out, {**environment(), "e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "tau": str(args.tau),
-                         "tau_git_sha": tau.get("git_sha"), "classic_stated_tau": args.classic_tau,
+                         "tau_git_sha": tau.get("git_sha"), "tau_fp8": str(args.tau_fp8) if args.tau_fp8 else None,
+                         "classic_stated_tau": args.classic_tau,
                          "ratios": [{"method": m, "budget": k, **v} for (m, k), v in sorted(
                              ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))],
                          "rows": rows})
