@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 runs of issue 24 (README.md beside this file), in the repository root on the GPU machine.
-#   stash N     copy the carried part .carry/p/gguf.N of the SmolLM2 GGUF to ~/stash (one call per 18 MB part)
+#   stash N     copy the carried part .carry/q/gguf.N of the SmolLM2 GGUF to ~/stash (one call per 12 MB part)
 #   quality     join and check the GGUF, install, then at once on the one GPU: the quality run (every fidelity
 #               method at k = 128 ... 2048, 4K and 8K; 10 processes), its k = 4096 complement at 8K, and the tau
 #               of each method on the test windows; needs .carry/quality_tasks.json and .carry/test_prompts.npz
@@ -18,7 +18,7 @@ install() {
 case "$1" in
 stash)
   mkdir -p "$S"
-  cp .carry/p/gguf."$2" "$S"/
+  cp .carry/q/gguf."$2" "$S"/
   for extra in .whl/gguf-0.19.0-py3-none-any.whl .carry/test_prompts.npz; do [ -f "$extra" ] && cp "$extra" "$S"/; done
   ls -la "$S"
   ;;
