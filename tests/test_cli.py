@@ -128,3 +128,21 @@ def test_classic_with_no_model_arguments_runs_the_packaged_pair_on_a_long_text(c
     assert "prompt 1536 tokens, generated" in out
     tau = float(out.split("mean accepted length tau ")[1].split()[0].rstrip(","))
     assert 1.0 <= tau <= 4.0  # Γ = 3: between 1 and Γ + 1 tokens per round
+
+
+def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_references) -> None:
+    """--budget K: the config's k replaced, m carried over as the same share of the free slots (k - 20); a k that
+    leaves no free slot is refused before any weight is read."""
+    from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+
+    config = tmp_path / "dustin.json"
+    DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60,
+                 m=20).save(config)
+    run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", "dustin-h",
+           "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4"]
+    assert main(run + ["--budget", "100"]) == 0
+    assert "(budget k 100, m 40;" in capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
+    assert main(run + ["--budget", "20"]) == 2
+    captured = capsys.readouterr()
+    assert "--budget 20 must exceed sinks + recent window = 20; raise it" in captured.err
+    assert "weights loaded" not in captured.out
