@@ -27,6 +27,8 @@ from pathlib import Path
 __all__ = ["ServerError", "TritonServer", "free_port", "prepare_pytriton_server", "processes_in_group",
            "pytriton_distribution"]
 
+DRAIN_MARGIN_S = 10.0  # of the exit timeout, left for cutting running requests and unloading every model
+
 
 class ServerError(RuntimeError):
     """The server could not be prepared, did not start, or did not stop."""
@@ -102,7 +104,7 @@ class TritonServer:
 
     def __init__(self, repository: str | Path, server_dir: str | Path, log_path: str | Path,
                  python_env: str | Path = sys.prefix, start_timeout_s: float = 180.0, stop_timeout_s: float = 60.0,
-                 exit_timeout_s: float = 15.0, extra_args: tuple[str, ...] = (), address: str = "127.0.0.1",
+                 exit_timeout_s: float = 20.0, extra_args: tuple[str, ...] = (), address: str = "127.0.0.1",
                  http_port: int = 0, grpc_port: int = 0, keep_going: bool = False) -> None:
         self.repository, self.server_dir = Path(repository).resolve(), Path(server_dir).resolve()
         self.log_path, self.python_env = Path(log_path), Path(python_env)
@@ -116,8 +118,8 @@ class TritonServer:
         # keep_going: a model that fails to load leaves the server serving the others (model_states() says which
         # failed and why); otherwise the server exits at start, and start() raises with its log.
         self.keep_going = keep_going
-        # Written at stop(): the serving engines then give running requests exit_timeout_s - 5 s and cut the rest,
-        # so that Triton's exit wait ends with every model unloaded (finalize() run) instead of its forced exit.
+        # Written at stop(): the serving engines then give running requests exit_timeout_s - DRAIN_MARGIN_S and cut
+        # the rest, so that Triton's exit wait ends with every model unloaded (finalize() run), not its forced exit.
         self.drain_file = self.server_dir / f".stopping-{os.getpid()}-{id(self):x}"
 
     @property
@@ -203,7 +205,9 @@ class TritonServer:
             return
         pgid = self.process.pid
         if self.process.poll() is None:
-            self.drain_file.write_text(f"{max(0.0, self.exit_timeout_s - 5):g}")
+            # 10 s of the exit timeout stay for cutting the running requests and unloading every model (5 s was
+            # too few for two models on a loaded 2-core machine: Triton then exited by force)
+            self.drain_file.write_text(f"{max(0.0, self.exit_timeout_s - DRAIN_MARGIN_S):g}")
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(self.stop_timeout_s)
