@@ -35,7 +35,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
 
 __all__ = ["ENGINE_FORMAT_VERSION", "EngineError", "EngineLimits", "EngineManifest", "OpenedEngine", "build_engine",
-           "engine_tactics", "layer_split", "open_engine"]
+           "engine_tactics", "layer_split", "open_engine", "stage_bytes"]
 
 ENGINE_FORMAT_VERSION = 1
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -70,6 +70,31 @@ class EngineLimits:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+
+def stage_bytes(configs: dict[str, ModelConfig], layers: list[tuple[int, int]], rank: int, max_batch: int,
+                max_seq_len: int, dtype: torch.dtype, draft_kv_cache: str = "model") -> tuple[int, int]:
+    """(weight bytes, KV cache bytes) pipeline stage `rank` holds: its target layers and their cache, the embedding
+    on the first stage (and on the last with tied embeddings), the final norm and head on the last, and the draft
+    (`configs["draft"]`, if any) with its cache on the first. `layers`: layer_split's ranges."""
+    from trtllm_dustin.kv_cache import KVCache
+    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+
+    weights = caches = 0
+    for role, c in configs.items():
+        kv = KVCache.nbytes_for(c, max_batch, max_seq_len,
+                                dtype if role == "target" else draft_kv_dtype(draft_kv_cache, dtype))
+        if role != "target":
+            if rank == 0:  # the draft lives on the first stage
+                weights, caches = weights + c.num_parameters() * dtype.itemsize, caches + kv
+            continue
+        start, stop = layers[rank]
+        first, last, tied = rank == 0, rank == len(layers) - 1, c.tie_word_embeddings
+        ends = c.vocab_size * c.hidden_size if first or (last and tied) else 0  # the embedding (a tied head's too)
+        ends += (c.hidden_size + (0 if tied else c.output_rows() * c.hidden_size)) if last else 0  # norm + head
+        weights += ((stop - start) * c.layer_parameters() + ends) * dtype.itemsize
+        caches += kv * (stop - start) // c.num_layers
+    return weights, caches
 
 
 def layer_split(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -397,24 +422,11 @@ def _check_memory(directory: Path, manifest: EngineManifest, configs: dict[str, 
     """Rank `rank`'s share of the engine's weights and of the KV caches of its limits must fit in `device`'s free
     memory (nothing allocated): its target layers (and their cache), the embedding or the head where it holds them,
     the draft on rank 0."""
-    from trtllm_dustin.kv_cache import KVCache, MemoryPlanError, check_fits
-    from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.kv_cache import MemoryPlanError, check_fits
 
-    limits, dtype = manifest.limits, manifest.limits.torch_dtype
-    weights = caches = 0
-    for role, c in configs.items():
-        kv = KVCache.nbytes_for(c, limits.max_batch, limits.max_seq_len,
-                                dtype if role == "target" else draft_kv_dtype(limits.draft_kv_cache, dtype))
-        if role != "target":
-            if rank == 0:  # the draft lives on the first stage
-                weights, caches = weights + c.num_parameters() * dtype.itemsize, caches + kv
-            continue
-        start, stop = manifest.layers[rank]
-        first, last, tied = rank == 0, rank == manifest.pp_size - 1, c.tie_word_embeddings
-        ends = c.vocab_size * c.hidden_size if first or (last and tied) else 0  # the embedding (a tied head's too)
-        ends += (c.hidden_size + (0 if tied else c.output_rows() * c.hidden_size)) if last else 0  # norm + head
-        weights += ((stop - start) * c.layer_parameters() + ends) * dtype.itemsize
-        caches += kv * (stop - start) // c.num_layers
+    limits = manifest.limits
+    weights, caches = stage_bytes(configs, manifest.layers, rank, limits.max_batch, limits.max_seq_len,
+                                  limits.torch_dtype, limits.draft_kv_cache)
     try:
         check_fits(f"--engine {directory} (weights {weights / 2**30:.2f} GiB + KV caches of its limits, "
                    f"{limits.max_batch} x {limits.max_seq_len} tokens, {caches / 2**30:.2f} GiB)", weights + caches,
