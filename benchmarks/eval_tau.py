@@ -166,7 +166,6 @@ def main() -> None:
         args.dustin_config = str(default_dustin_config_path())  # searched for the packaged pair
         dustin = DustinConfig.load(args.dustin_config)
     budgets = args.budgets or [dustin.budget if dustin else None]
-    configs = {k: dustin.with_budget(k) if dustin and k else dustin for k in budgets}
     draft_dtype = draft_kv_dtype(args.draft_kv_cache, dtype)
     documents = load_documents(args.prompts, target.tokenizer)
     rows = []
@@ -187,7 +186,7 @@ def main() -> None:
                     batch = [p for _, p in prompts[i: i + args.batch_size]]
                     setup = MethodSetup(
                         target=target.model, backend=backend, draft=draft if METHODS[method].needs_draft else None,
-                        gamma=gamma, dustin=configs[budget] if budget else dustin, longspark=longspark,
+                        gamma=gamma, dustin=dustin.with_budget(budget) if budget else dustin, longspark=longspark,
                         target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
                         draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device)
                         if METHODS[method].needs_draft else None)

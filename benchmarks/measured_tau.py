@@ -67,7 +67,7 @@ def headline_rows(e2e: dict, ratios: dict, classic_stated: float) -> list[dict]:
         if method == "vanilla":
             measured = {"tau": 1.0, "ratio": None}
         else:
-            found = ratios.get((method, budget)) or (ratios.get((method, None)) if budget is None else None)
+            found = ratios.get((method, budget))
             measured = {"tau": classic_stated * found["ratio"], "ratio": found["ratio"],
                         "per_context": found["per_context"]} if found else None
         if measured is not None:

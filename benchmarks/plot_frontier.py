@@ -17,28 +17,27 @@ import argparse
 import json
 from pathlib import Path
 
-PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match",
-           "qa": "string_match_part"}
+from eval_quality import PRIMARY, task_mean
+
 CURVES = ("dustin-h", "dustin-h-sparse-draft")
 
 
 def quality_means(summaries: list[dict]) -> dict[tuple[int, str, int | None], float]:
-    """(context, key, budget) -> task mean x 100 over the tasks every row of that context has."""
+    """(context, key, budget) -> task mean x 100 over the tasks FullKV has at that context (rows missing one of
+    them are left out)."""
     merged: dict[str, dict] = {}
     for summary in summaries:  # later files win: list the main run last
         merged.update(summary)
-    cells: dict[tuple[int, str, int | None], dict[str, float]] = {}
-    for name, row in merged.items():
+    cells, tasks = set(), {}
+    for name in merged:
         task, context, key, budget = name.split("|")
         if task in PRIMARY:
-            cells.setdefault((int(context), key, None if budget == "None" else int(budget)), {})[task] = \
-                100 * row[PRIMARY[task]]["mean"]
-    out = {}
-    for (context, key, budget), tasks in cells.items():
-        full = cells.get((context, "classic", None), {})
-        if full and set(tasks) == set(full):
-            out[(context, key, budget)] = sum(tasks.values()) / len(tasks)
-    return out
+            cells.add((int(context), key, None if budget == "None" else int(budget)))
+            if key == "classic":
+                tasks.setdefault(int(context), []).append(task)
+    means = {cell: task_mean(merged, cell[0], tasks[cell[0]], cell[1], cell[2]) for cell in cells
+             if cell[0] in tasks}
+    return {cell: mean for cell, mean in means.items() if mean is not None}
 
 
 def round_times(e2e: dict, batch: int, context: int) -> dict[tuple[str, int | None], float]:

@@ -58,7 +58,7 @@ def mass_loop(q, k, lengths, per_kv_head):
 @pytest.mark.parametrize("per_kv_head", [False, True])
 def test_attention_mass_matches_a_loop(per_kv_head: bool) -> None:
     torch.manual_seed(0)
-    q, k = torch.randn(3, 4, 6, 8), torch.randn(3, 2, 40, 8)
+    q, k = torch.randn(3, 4, 6, 16), torch.randn(3, 2, 40, 16)  # srh_score takes head dims of 16 and up
     lengths = torch.tensor([30, 5, 36], dtype=torch.int32)
     got = attention_mass(q, k, lengths, per_kv_head)
     assert torch.allclose(got.double(), mass_loop(q, k, lengths, per_kv_head), atol=1e-5)
@@ -262,7 +262,6 @@ def test_a_set_per_kv_head_is_eq6_with_each_groups_heads(env: Env, heads) -> Non
 def test_every_round_in_full_equals_vanilla(env: Env, vanilla_tokens, monkeypatch: pytest.MonkeyPatch) -> None:
     import trtllm_dustin.runtime.methods as methods
 
-    monkeypatch.setattr(methods, "PERIODIC_EVERY", 1)
     spec = methods.METHODS["dustin-h-periodic"]
     monkeypatch.setitem(methods.METHODS, "dustin-h-periodic", replace(spec, selector=methods._periodic(1)))
     _, result = run("dustin-h-periodic", env, dustin=dustin_config(budget=24, m=6, n_recent=4))

@@ -52,13 +52,13 @@ class DustinSelector:
         heads_kv = target.num_kv_heads
         self.indices = torch.full((slots, heads_kv, config.budget) if per_kv_head else (slots, config.budget), -1,
                                   dtype=torch.int32, device=device)
-        self.s_history = torch.zeros(slots, s_max, dtype=torch.float32, device=device) \
-            if history_decay is not None else None
-        self._round_score = torch.zeros(slots, s_max, dtype=torch.float32, device=device) \
-            if history_decay is not None else None
-        # per_kv_head: each KV head's SRH heads of each target layer (None where its group has none)
+        accumulating = history_decay is not None
+        self.s_history = torch.zeros(slots, s_max, dtype=torch.float32, device=device) if accumulating else None
+        self._round_score = torch.zeros(slots, s_max, dtype=torch.float32, device=device) if accumulating else None
+        # per_kv_head: each KV head's (layer, its SRH heads in that layer) pairs; empty where its group has none
         group = target.num_heads // heads_kv
-        self._kv_heads = [[tuple(h for h in lh.heads if h // group == g) or None for lh in config.target_layers]
+        self._kv_heads = [[(lh.layer, own) for lh in config.target_layers
+                           if (own := tuple(h for h in lh.heads if h // group == g))]
                           for g in range(heads_kv)] if per_kv_head else []
         self.s_target_kv = torch.zeros(slots, heads_kv, s_max, dtype=torch.float32, device=device) \
             if per_kv_head else None
@@ -81,24 +81,33 @@ class DustinSelector:
             for i, lh in enumerate(self.cfg.draft_layers):
                 srh_score(self.lookahead.queries[lh.layer], self.lookahead.keys[lh.layer], lengths, lh.heads,
                           out=self.s_draft, accumulate=i > 0, pdl=self.pdl)
-        if self._score_target and self.s_history is not None:  # the running sum, kept up by observe
+        if not self._score_target:
+            return self.s_draft, self.s_target
+        if self.per_kv_head:  # each group's SRH heads score its own row; S_target is their sum
+            self._estimate_per_kv_head(lengths)
+        elif self.s_history is not None:  # the running sum, kept up by observe
             self.s_target.copy_(self.s_history)
-        elif self._score_target:  # the last committed token's query (at L - 1) over [0, L - 1)
+        else:  # the last committed token's query (at L - 1) over [0, L - 1)
             for i, lh in enumerate(self.cfg.target_layers):
                 srh_score(self.history_q[lh.layer], self.cache.k[lh.layer], lengths - 1, lh.heads, out=self.s_target,
                           accumulate=i > 0, pdl=self.pdl)
-        if self._score_target and self.per_kv_head:
-            for g, heads in enumerate(self._kv_heads):
-                if all(h is None for h in heads):  # no SRH head in this group: the summed S_target
-                    self.s_target_kv[:, g].copy_(self.s_target)
-                    continue
-                out, first = self.s_target_kv[:, g], True
-                for lh, own in zip(self.cfg.target_layers, heads, strict=True):
-                    if own is not None:
-                        srh_score(self.history_q[lh.layer], self.cache.k[lh.layer], lengths - 1, own, out=out,
-                                  accumulate=not first, pdl=self.pdl)
-                        first = False
         return self.s_draft, self.s_target
+
+    def _estimate_per_kv_head(self, lengths: torch.Tensor) -> None:
+        """S_target of each KV head's group, and their sum (the S_target of all SRH heads, since the groups split
+        them), which a group without SRH heads takes: every head is scored once."""
+        scored = []
+        for g, pairs in enumerate(self._kv_heads):
+            row = self.s_target_kv[:, g]
+            for i, (layer, own) in enumerate(pairs):
+                srh_score(self.history_q[layer], self.cache.k[layer], lengths - 1, own, out=row, accumulate=i > 0,
+                          pdl=self.pdl)
+            if pairs:
+                scored.append(g)
+        torch.sum(self.s_target_kv[:, scored], dim=1, out=self.s_target)
+        for g, pairs in enumerate(self._kv_heads):
+            if not pairs:
+                self.s_target_kv[:, g].copy_(self.s_target)
 
     def select(self, lengths: torch.Tensor, scores: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s_draft, s_target = scores
@@ -127,14 +136,12 @@ class DustinSelector:
     def _accumulate(self, seen: Observation) -> None:
         """history_decay: S_hist <- decay * S_hist + the SRH attention of the round's a + 1 committed tokens (query
         t at L + t over its causal range [0, L + t)), for the active slots."""
-        score, total = self._round_score, None
+        score, history = self._round_score, self.s_history
+        history.mul_(torch.where(seen.active, self.history_decay, 1.0)[:, None])
         verified = seen.verify_queries[self.cfg.target_layers[0].layer].shape[1]  # Γ + 1
         for t in range(verified):
             for i, lh in enumerate(self.cfg.target_layers):
                 srh_score(seen.verify_queries[lh.layer][:, t:t + 1], self.cache.k[lh.layer], seen.lengths + t,
                           lh.heads, out=score, accumulate=i > 0)
-            committed = (seen.accepted >= t)[:, None]  # query t is a committed token when t <= a
-            term = score * committed
-            total = term if total is None else total + term
-        keep = torch.where(seen.active[:, None], self.history_decay * self.s_history + total, self.s_history)
-        self.s_history.copy_(keep)
+            committed = seen.active & (seen.accepted >= t)  # query t is a committed token when t <= a
+            history.addcmul_(score, committed[:, None].to(score.dtype))

@@ -16,14 +16,13 @@ pass writes the round's K/V at L_b .. L_b + Γ; the sparse verification that fol
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.selection import keep_all_indices
+from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.state import Observation, RoundState
 
@@ -34,23 +33,18 @@ ORACLE_KINDS = ("all", "layer", "kv-head")
 
 def attention_mass(q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, per_kv_head: bool = False
                    ) -> torch.Tensor:
-    """The attention the T queries at L_b + t put on each committed position j < L_b, summed over queries and heads.
+    """The attention the T queries at L_b + t put on each committed position j < L_b, summed over queries and heads:
+    Eq. 5 over every query head (plugins.srh_score, softmax over the causal range [0, L_b + t]).
 
-    q [B, T, H_q, D]; k_cache [B, H_kv, S, D]; lengths int32 [B]. Softmax over the causal range [0, L_b + t] in fp32.
-    Returns fp32 [B, S] (0 at j >= L_b), or [B, H_kv, S] summed within each KV head's query heads.
+    q [B, T, H_q, D]; k_cache [B, H_kv, S, D]; lengths int32 [B]. Returns fp32 [B, S] (0 at j >= L_b), or
+    [B, H_kv, S] summed within each KV head's query heads.
     """
-    B, T, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hkv
-    qg = q.float().reshape(B, T, Hkv, group, D)
-    scores = torch.einsum("btkgd,bksd->bkgts", qg, k_cache.float()) / math.sqrt(D)  # [B, H_kv, G, T, S]
-    positions = torch.arange(S, device=q.device)
-    limit = lengths.long()[:, None] + torch.arange(T, device=q.device)  # [B, T]: the last key query t sees
-    visible = positions[None, None, :] <= limit[:, :, None]  # [B, T, S]
-    probs = torch.softmax(scores.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
-    mass = probs.sum(dim=(2, 3))  # [B, H_kv, S]
-    mass = mass * (positions[None, :] < lengths.long()[:, None])[:, None]
-    return mass if per_kv_head else mass.sum(1)
+    heads_q, heads_kv = q.shape[2], k_cache.shape[1]
+    if not per_kv_head:
+        return srh_score(q, k_cache, lengths, tuple(range(heads_q)))
+    group = heads_q // heads_kv
+    return torch.stack([srh_score(q, k_cache, lengths, tuple(range(g * group, (g + 1) * group)))
+                        for g in range(heads_kv)], dim=1)
 
 
 def top_k_set(scores: torch.Tensor, lengths: torch.Tensor, budget: int, batch_axis: int = 0) -> torch.Tensor:
@@ -88,6 +82,8 @@ class OracleSelector:
                                             device=draft_tokens.device) for layer in range(config.num_layers)}
         self._capture = QueryCapture(tuple(range(config.num_layers)), self._queries)
         self._tokens = torch.zeros(slots, gamma + 1, dtype=torch.long, device=draft_tokens.device)
+        self._heads = tuple(range(config.num_heads))
+        self._mass = torch.zeros(slots, cache.max_seq_len, dtype=torch.float32, device=draft_tokens.device)
 
     def bind(self, state: RoundState) -> None:
         """The decoder's round state: the oracle's full pass starts at the last committed token (state.cur)."""
@@ -103,9 +99,14 @@ class OracleSelector:
         self._tokens[:, 1:] = self.draft_tokens
         self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
                     capture=self._capture)
-        per_head = self.kind == "kv-head"
-        masses = [attention_mass(self._queries[layer], self.cache.k[layer], lengths, per_head)
-                  for layer in range(self.target.config.num_layers)]
+        layers = range(self.target.config.num_layers)
+        if self.kind == "all":  # summed over the layers in place
+            for layer in layers:
+                srh_score(self._queries[layer], self.cache.k[layer], lengths, self._heads, out=self._mass,
+                          accumulate=layer > 0)
+            return self._mass
+        masses = [attention_mass(self._queries[layer], self.cache.k[layer], lengths, self.kind == "kv-head")
+                  for layer in layers]
         return torch.stack(masses) if self.per_layer else torch.stack(masses).sum(0)
 
     def select(self, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
