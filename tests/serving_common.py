@@ -23,7 +23,8 @@ WEIGHTS_SEED = 7
 MAX_SEQ_LEN = 96
 EOS = (1,)  # tiny-llama's
 DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))),
-                      budget=40, m=6, n_sink=4, n_recent=8, gamma=3)  # sparse: 40 of up to 96 positions (SnapKV's
+                      budget=40, m=6, n_sink=4, n_recent=8, gamma=3,
+                      selection_layers=(LayerHeads(1, tuple(range(6))),))  # sparse: 40 of up to 96 positions (SnapKV's
 # window of 32 must fit in k)
 SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
                        methods=("classic", "vanilla", "dustin-h"), dustin=DUSTIN, max_batch=4,

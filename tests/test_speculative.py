@@ -49,7 +49,8 @@ def env(request: pytest.FixtureRequest) -> Env:
 def dustin_config(budget: int, m: int, n_recent: int = 16) -> DustinConfig:
     return DustinConfig(target_layers=(LayerHeads(1, (0, 4)),),
                         draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))),
-                        budget=budget, m=m, n_sink=4, n_recent=n_recent, gamma=GAMMA)
+                        budget=budget, m=m, n_sink=4, n_recent=n_recent, gamma=GAMMA,
+                        selection_layers=(LayerHeads(1, tuple(range(6))),))
 
 
 def run(method: str, env: Env, draft: Transformer | None = None, dustin=None, max_new=24, **config):
@@ -233,7 +234,9 @@ def test_selection_with_lengths_on_both_sides_of_the_budget(env: Env, vanilla_to
                 valid = row[row >= 0]
                 L = int(lengths[b])
                 assert len(valid) == min(budget, L) and len(set(valid.tolist())) == len(valid)
-                assert bool((valid < L).all()) and valid.tolist() == sorted(valid.tolist())
+                assert bool((valid < L).all())
+                if decoder.selector.in_pass is None:  # in-pass sets keep a fixed slot layout instead (in_pass.py)
+                    assert valid.tolist() == sorted(valid.tolist())
     assert int(lengths[0]) > budget and int(lengths[3]) > budget  # the selection really chose for these two
 
 

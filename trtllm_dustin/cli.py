@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     from trtllm_dustin.runtime.methods import OFFERED_METHODS
     from trtllm_dustin.search.cli import (
         add_arr_arguments,
+        add_layers_arguments,
         add_search_arguments,
         add_srh_arguments,
         arr_command,
+        layers_command,
         search_command,
         srh_command,
     )
@@ -193,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, add_arguments, command, text in (
             ("srh", add_srh_arguments, srh_command, "identify semantic retrieval heads (needle-in-a-haystack)"),
             ("arr", add_arr_arguments, arr_command, "ARR analysis: policies vs budget, layer-wise, ARR-KL"),
-            ("search", add_search_arguments, search_command, "Algorithm 1: write a target-draft pair's Dustin config")):
+            ("search", add_search_arguments, search_command, "Algorithm 1: write a target-draft pair's Dustin config"),
+            ("search-layers", add_layers_arguments, layers_command,
+             "the in-pass selection layers of a target (written into its Dustin config)")):
         command_parser = sub.add_parser(name, help=text)
         add_arguments(command_parser)
         command_parser.set_defaults(func=command)

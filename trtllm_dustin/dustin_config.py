@@ -12,7 +12,8 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 
 __all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
 
-DUSTIN_SCHEMA_VERSION = 1
+DUSTIN_SCHEMA_VERSION = 2  # 2: the in-pass selection fields (selection_layers, selection_m, dense_layers)
+READABLE_SCHEMA_VERSIONS = (1, 2)  # a version-1 file is a config without in-pass selection
 VARIANTS = ("h", "t", "d")  # hybrid (Eq. 6), target history only, draft lookahead only
 
 
@@ -50,12 +51,16 @@ class DustinConfig:
     gamma: int = 3  # draft tokens per round the config was searched for
     target_fingerprint: str = ""  # model_fingerprint of the target the search ran on
     draft_fingerprint: str = ""  # model_fingerprint of the draft the search ran on
+    # In-pass selection (dustin-ip, runtime/selectors/in_pass.py): at these target layers the verification pass picks
+    # the set from its own Γ + 1 queries, scored on the listed heads; the first one chooses, later ones re-select.
+    selection_layers: tuple[LayerHeads, ...] = ()
+    selection_m: int = 0  # in-pass: positions taken by the draft's lookahead (S_draft, Eq. 5) beside the pass's own
+    dense_layers: int = 0  # in-pass: the first layers verified in full (else they read the previous round's set)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layers", tuple(
-            x if isinstance(x, LayerHeads) else LayerHeads(**x) for x in self.target_layers))
-        object.__setattr__(self, "draft_layers", tuple(
-            x if isinstance(x, LayerHeads) else LayerHeads(**x) for x in self.draft_layers))
+        for name in ("target_layers", "draft_layers", "selection_layers"):
+            object.__setattr__(self, name, tuple(x if isinstance(x, LayerHeads) else LayerHeads(**x)
+                                                 for x in getattr(self, name)))
         protected = self.n_sink + self.n_recent
         if self.budget <= protected:
             raise ConfigError(f"budget k={self.budget} must exceed sinks + recent window = {protected}")
@@ -63,8 +68,17 @@ class DustinConfig:
             raise ConfigError(f"m={self.m} must be in [0, k - sinks - window = {self.budget - protected}]")
         if self.gamma < 1:
             raise ConfigError(f"gamma={self.gamma} must be >= 1")
-        if not self.target_layers and not self.draft_layers:
-            raise ConfigError("a Dustin config needs at least one target or draft SRH layer")
+        if not self.target_layers and not self.draft_layers and not self.selection_layers:
+            raise ConfigError("a Dustin config needs at least one target or draft SRH layer or a selection layer")
+        if not 0 <= self.selection_m <= self.budget - protected:
+            raise ConfigError(f"selection_m={self.selection_m} must be in [0, k - sinks - window = "
+                              f"{self.budget - protected}]")
+        layers = [lh.layer for lh in self.selection_layers]
+        if layers != sorted(set(layers)):
+            raise ConfigError(f"selection_layers {layers} must be distinct and ascending (the first one chooses)")
+        if self.dense_layers < 0 or (layers and self.dense_layers > layers[0]):
+            raise ConfigError(f"dense_layers={self.dense_layers} must be in [0, the first selection layer "
+                              f"{layers[0] if layers else 0}]: the layers after it read the chosen set")
 
     def with_budget(self, budget: int) -> DustinConfig:
         """This config at another budget k, m carried over as the same share of the free slots (k - sinks - recent);
@@ -75,7 +89,11 @@ class DustinConfig:
         if budget <= protected:
             raise ConfigError(f"--budget {budget} must exceed sinks + recent window = {protected}; raise it")
         free, old_free = budget - protected, self.budget - protected
-        return replace(self, budget=budget, m=max(0, min(free, round(self.m * free / old_free))))
+
+        def scaled(m: int) -> int:
+            return max(0, min(free, round(m * free / old_free)))
+
+        return replace(self, budget=budget, m=scaled(self.m), selection_m=scaled(self.selection_m))
 
     def variant(self, name: str) -> DustinConfig:
         """dustin-h keeps m; dustin-t gives the whole free budget to S_target, dustin-d to S_draft."""
@@ -87,7 +105,7 @@ class DustinConfig:
     def check_models(self, target: ModelConfig, draft: ModelConfig | None) -> None:
         """Refuse a config whose layers/heads do not exist in these models or that was searched for others (draft
         None: check the target side only, for a drafter that is not the searched draft model)."""
-        sides = [("target", self.target_layers, target, self.target_fingerprint)]
+        sides = [("target", self.target_layers + self.selection_layers, target, self.target_fingerprint)]
         if draft is not None:
             sides.append(("draft", self.draft_layers, draft, self.draft_fingerprint))
         for side, layers, model, fingerprint in sides:
@@ -108,8 +126,8 @@ class DustinConfig:
     def from_json(cls, text: str) -> DustinConfig:
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version != DUSTIN_SCHEMA_VERSION:
-            raise ConfigError(f"Dustin config schema_version {version} is not {DUSTIN_SCHEMA_VERSION}; "
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ConfigError(f"Dustin config schema_version {version} is not one of {READABLE_SCHEMA_VERSIONS}; "
                               "re-run `trtllm-dustin search`")
         return cls(**data)
 

@@ -42,6 +42,7 @@ class DustinSelector:
         self.cfg, self.cache, self.lookahead, self.share, self.pdl = config, cache, lookahead, share, pdl
         self.history_decay, self.per_kv_head = history_decay, per_kv_head
         self.budget = config.budget
+        self.in_pass = None  # the set is chosen before the pass
         self.target_query_layers = tuple(lh.layer for lh in config.target_layers)
         slots, s_max, device = cache.batch_slots, cache.max_seq_len, cache.seqlens.device
         # The target's query of each slot's last committed token: round r's S_target history (at L_b - 1).

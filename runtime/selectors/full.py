@@ -12,6 +12,7 @@ __all__ = ["FullVerification"]
 
 class FullVerification:
     budget = None
+    in_pass = None  # no selection inside the verification pass
     target_query_layers: tuple[int, ...] = ()
 
     def on_prefill(self, view: PrefillView) -> None:

@@ -71,6 +71,7 @@ class OracleSelector:
         if kind not in ORACLE_KINDS:
             raise ValueError(f"oracle kind {kind!r}: choose one of {', '.join(ORACLE_KINDS)}")
         self.kind, self.budget, self.target, self.cache, self.backend = kind, budget, target, cache, backend
+        self.in_pass = None  # the set comes from its own full pass before the verification
         self.per_layer = kind == "layer"  # the decoder gives each layer its own row of the set
         self.draft_tokens = draft_tokens  # the drafter's proposal buffer [B, Γ]
         self.target_query_layers: tuple[int, ...] = ()

@@ -23,6 +23,7 @@ class PeriodicFullVerification:
             raise ValueError(f"periodic full verification: every={every} must be >= 1 (1: every round in full)")
         self.inner, self.every = inner, every
         self.budget = inner.budget
+        self.in_pass = inner.in_pass
         self.target_query_layers = inner.target_query_layers
         self.rounds = 0  # rounds observed since the decoder was built
 

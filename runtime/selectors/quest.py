@@ -86,6 +86,7 @@ class QuestSelector:
         if page < 1:
             raise ConfigError(f"quest: page size {page} must be >= 1")
         self.budget, self.page, self.cache = budget, page, cache
+        self.in_pass = None  # pages are ranked before the pass
         self.target_query_layers = tuple(range(n_dense, target.num_layers))
         slots, s_max, device = cache.batch_slots, cache.max_seq_len, cache.seqlens.device
         self.history_q = {layer: torch.zeros(slots, target.num_heads, target.head_dim, dtype=query_dtype,

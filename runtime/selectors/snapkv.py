@@ -106,6 +106,7 @@ class SnapKVSelector:
         if window > cache.max_seq_len:
             raise ConfigError(f"snapkv: observation window {window} exceeds --max-seq-len {cache.max_seq_len}")
         self.budget, self.n_sink, self.window, self.kernel = budget, n_sink, window, kernel
+        self.in_pass = None  # the set is fixed at the prompt
         self.target, self.cache, self.backend = target, cache, backend
         slots, device = cache.batch_slots, cache.seqlens.device
         self.prompt_lens = torch.ones(slots, dtype=torch.int32, device=device)  # idle slots run along at 1

@@ -19,6 +19,7 @@ class StreamingLLMSelector:
         if not 0 <= n_sink < budget:
             raise ConfigError(f"streamingllm: n_sink={n_sink} must lie in [0, budget k={budget})")
         self.budget, self.n_sink = budget, n_sink
+        self.in_pass = None
         self.indices = torch.full((slots, budget), -1, dtype=torch.int32, device=device)
 
     def on_prefill(self, view: PrefillView) -> None:

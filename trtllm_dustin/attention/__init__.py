@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trtllm_dustin.attention.interface import AttentionBackend, AttentionMetadata
+from trtllm_dustin.attention.interface import AttentionBackend, AttentionMetadata, InPassSelection
 from trtllm_dustin.attention.reference import ReferenceAttention
 from trtllm_dustin.attention.triton import TritonAttention
 
 if TYPE_CHECKING:
     from trtllm_dustin.plugins.kernel_config import KernelConfig
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "InPassSelection", "get_backend"]
 
 BACKENDS: dict[str, type[AttentionBackend]] = {ReferenceAttention.name: ReferenceAttention,
                                                TritonAttention.name: TritonAttention}

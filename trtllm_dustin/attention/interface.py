@@ -4,10 +4,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMetadata"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "InPassSelection"]
+
+
+class InPassSelection(Protocol):
+    """Selection inside the verification pass (selection layers, runtime/selectors/in_pass.py).
+
+    The layers in `dense_layers` attend to the full cache. At each layer of `selection_layers` the pass first
+    `choose`s: from that layer's queries it rewrites, in place, the set `AttentionMetadata.indices` that this layer and
+    the following ones read (the layers before it read the set as the round began: the previous round's choice).
+    """
+
+    dense_layers: frozenset[int]
+    selection_layers: frozenset[int]
+
+    def choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+        """q [B, T, H_q, D]: this layer's queries of the T verified tokens (at L_b + t); k_cache [B, H_kv, S_max, D]
+        with their keys written. Rewrites the set that `indices` holds (no host sync: it runs in a captured pass)."""
 
 
 @dataclass
@@ -27,13 +44,17 @@ class AttentionMetadata:
     # int32 [B]: the real new tokens of each sequence in a ragged prefill chunk (rows past them are padding, their
     # outputs unspecified); None: all T
     query_lens: torch.Tensor | None = None
+    in_pass: InPassSelection | None = None  # selection inside this forward: `indices` is rewritten at its layers
 
     @property
     def sparse(self) -> bool:
         return self.indices is not None or self.layer_indices is not None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
-        """The metadata layer `layer` attends with: its own set when there is one per layer."""
+        """The metadata layer `layer` attends with: its own set when there is one per layer, the full cache when an
+        in-pass selection makes it dense."""
+        if self.in_pass is not None and layer in self.in_pass.dense_layers:
+            return replace(self, indices=None, in_pass=None)
         if self.layer_indices is None:
             return self
         return replace(self, indices=self.layer_indices[layer], layer_indices=None)

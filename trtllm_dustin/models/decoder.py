@@ -107,6 +107,8 @@ class Attention(nn.Module):
             buffer = capture.queries[layer_index]  # keeps the queries of the last buffer.shape[1] tokens
             buffer.copy_(q[:, T - buffer.shape[1]:])
         k_cache, v_cache = cache.layer(layer_index)
+        if meta.in_pass is not None and layer_index in meta.in_pass.selection_layers:
+            meta.in_pass.choose(layer_index, q, k_cache, meta.cache_seqlens)  # the set this and later layers read
         out = backend.attend(q, k_cache, v_cache, meta.for_layer(layer_index))  # [B, T, H_q, D]
         return project(out.reshape(B, T, Hq * D))
 

@@ -130,14 +130,15 @@ class AttentionTrace:
                            "target_model": self.target_model, "draft_model": self.draft_model})
 
 
-def validation_windows(tokenizer: object, settings: TraceSettings) -> list[tuple[str, list[int]]]:
-    """`documents` windows of `window` tokens from the validation split: the prefix of one document per work (two
-    editions of a play would be near-copies), sources taken in turn."""
+def validation_windows(tokenizer: object, settings: TraceSettings, split: str = "validation"
+                       ) -> list[tuple[str, list[int]]]:
+    """`documents` windows of `window` tokens from the split (the validation split unless told): the prefix of one
+    document per work (two editions of a play would be near-copies), sources taken in turn."""
     per_source = []
     for source in settings.sources:
         seen: set[str] = set()
         documents = []
-        for document in split_documents("validation", [source]):
+        for document in split_documents(split, [source]):
             if document.split_key not in seen:
                 seen.add(document.split_key)
                 documents.append(document)
@@ -148,7 +149,7 @@ def validation_windows(tokenizer: object, settings: TraceSettings) -> list[tuple
             if i < len(windows) and len(chosen) < settings.documents:
                 chosen.append((windows[i].doc_id, list(windows[i].tokens)))
     if len(chosen) < settings.documents:
-        raise ConfigError(f"the validation split of {list(settings.sources)} has {len(chosen)} works of "
+        raise ConfigError(f"the {split} split of {list(settings.sources)} has {len(chosen)} works of "
                           f"{settings.window}+ tokens, fewer than the {settings.documents} asked; lower --window or "
                           "--documents, or add sources")
     return chosen

@@ -1,4 +1,5 @@
-"""Command line of the offline search: `srh` (profile SRHs), `arr` (ARR analysis and plots), `search` (Algorithm 1).
+"""Command line of the offline search: `srh` (profile SRHs), `arr` (ARR analysis and plots), `search` (Algorithm 1),
+`search-layers` (the in-pass selection layers, search/in_pass.py).
 
 `trtllm_dustin.cli` mounts these as `trtllm-dustin srh|arr|search`; `python -m trtllm_dustin.search.cli` runs them
 on their own.
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.models import LoadedModel, ModelLoadError, load_model
 from trtllm_dustin.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL
 from trtllm_dustin.provenance import Provenance
@@ -23,14 +25,17 @@ from trtllm_dustin.search.algorithm import SearchRecord, SearchSettings, dustin_
 from trtllm_dustin.search.arr import ARREvaluator, scaled_m
 from trtllm_dustin.search.arr_kl import ARRKLSettings, arr_kl_points, summarise
 from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
+from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, search_selection_layers
 from trtllm_dustin.search.plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
 from trtllm_dustin.search.srh import SRHResult, SRHSettings, identify_srh
 
 __all__ = [
     "add_arr_arguments",
     "add_search_arguments",
+    "add_layers_arguments",
     "add_srh_arguments",
     "arr_command",
+    "layers_command",
     "build_parser",
     "main",
     "search_command",
@@ -369,6 +374,67 @@ def search_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="the pair's Dustin config to extend (default: the packaged pair's); its k is kept")
+    parser.add_argument("--out", type=Path, required=True, help="Dustin config JSON to write (with selection_layers)")
+    parser.add_argument("--record", type=Path, default=None, help="search record JSON (default: <out>.layers.json)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(InPassSettings.budgets),
+                        help="k of the ARR mean (default: %(default)s)")
+    parser.add_argument("--lag", type=int, default=InPassSettings.lag,
+                        help="steps between a round's choice and the next round's pre-pass (default: %(default)s)")
+    parser.add_argument("--max-layers", type=int, default=InPassSettings.max_layers,
+                        help="selection layers at most (default: %(default)s)")
+    parser.add_argument("--min-gain", type=float, default=InPassSettings.min_gain,
+                        help="ARR a re-selection layer must add (default: %(default)s)")
+    parser.add_argument("--split", default="train", choices=("train", "validation"),
+                        help="the corpora split the windows come from (default: %(default)s)")
+    _add_trace_arguments(parser)
+
+
+def layers_command(args: argparse.Namespace) -> int:
+    """The in-pass selection layers of a target (search/in_pass.py): writes the config with selection_layers."""
+    from trtllm_dustin.models.loading import default_dustin_config_path
+
+    start = time.perf_counter()
+    device = _device(args.device)
+    provenance = Provenance.capture(device)
+    base = DustinConfig.load(args.config or default_dustin_config_path())
+    settings = InPassSettings(budgets=tuple(args.budgets), lag=args.lag, max_layers=args.max_layers,
+                              min_gain=args.min_gain, n_sink=base.n_sink, n_recent=base.n_recent)
+    target = load_model(args.target, device=device, seed=args.seed)
+    if target.tokenizer is None:
+        raise ConfigError(f"the target {target.source} has no tokenizer; the windows need one")
+    base.check_models(target.model.config, None)
+    config = target.model.config
+    every = tuple(LayerHeads(layer, tuple(range(config.num_heads))) for layer in range(config.num_layers))
+    trace_settings = _trace_settings(args)
+    windows = validation_windows(target.tokenizer, trace_settings, split=args.split)
+    trace = collect_trace(target.model, every, windows, trace_settings)
+    trace_s = time.perf_counter() - start
+    objective = InPassObjective(trace, settings)
+    outcome = search_selection_layers(objective)
+    chosen = replace(base, selection_layers=tuple(LayerHeads(layer, tuple(range(config.num_heads)))
+                                                  for layer in outcome.layers))
+    chosen.check_models(target.model.config, None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    chosen.save(args.out)
+    record = {"settings": asdict(settings), "trace": json.loads(trace.describe()), "split": args.split,
+              "outcome": outcome.to_dict(),
+              "per_layer_arr": {b: objective.per_layer(outcome.layers, b) for b in settings.budgets},
+              "seconds": {"attention_collection": round(trace_s, 1), "total": round(time.perf_counter() - start, 1)},
+              "provenance": provenance.finished(time.perf_counter() - start).to_dict()}
+    record_path = args.record or args.out.with_suffix(".layers.json")
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
+    best = sorted(outcome.phase_a.items(), key=lambda kv: -kv[1])[:5]
+    print("phase A (mean ARR alone): " + ", ".join(f"layer {layer} {value:.4f}" for layer, value in best))
+    print(f"selection layers {list(outcome.layers)}: mean ARR {outcome.arr:.4f} "
+          f"({', '.join(f'k={b} {v:.4f}' for b, v in outcome.by_budget.items())})")
+    print(f"wrote {args.out} and {record_path} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trtllm_dustin.search.cli", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -381,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     search = sub.add_parser("search", help="Algorithm 1: write the Dustin config of a target-draft pair")
     add_search_arguments(search)
     search.set_defaults(func=search_command)
+    layers = sub.add_parser("search-layers", help="the in-pass selection layers of a target (search/in_pass.py)")
+    add_layers_arguments(layers)
+    layers.set_defaults(func=layers_command)
     return parser
 
 

@@ -1,0 +1,70 @@
+#!/bin/bash
+# The H200 runs of issue 35 (in-pass selection; benchmarks/results/fidelity2/README.md), in the repository root on
+# the GPU machine. The device returns few files, so every run packs its outputs into one archive under $OUT.
+#   stash N     copy the carried part .carry/q/gguf.N of the SmolLM2 GGUF (and the tasks / prompts files) to ~/stash
+#   e2e         install; the in-pass tests on the GPU; the selection layer's kernels (dev/bench_in_pass.py); the
+#               frontier rows at the Llama-3.1-8B + 3.2-1B shapes (bench_e2e.py, k = 512 / 1024 / 2048)
+#   quality     join and check the GGUF; the quality harness (4K and 8K, 60 samples per task) for every in-pass
+#               variant beside Dustin-H, Quest and SnapKV; the generalisation run (needle-new); the tau of each
+#               method on the test windows (eval_tau.py)
+set -euo pipefail
+S=~/stash
+OUT=${OUT:-/tmp/out}
+GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
+export GIT_SHA=${GIT_SHA:-$(cat .carry/git_sha 2>/dev/null || echo unknown)}
+install() {
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/gguf-*.whl 2>/dev/null || \
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation -e .
+}
+case "$1" in
+stash)
+  mkdir -p "$S"
+  cp .carry/q/gguf."$2" "$S"/
+  for extra in .whl/gguf-0.19.0-py3-none-any.whl .carry/test_prompts.npz .carry/quality_tasks.json.gz; do
+    [ -f "$extra" ] && cp "$extra" "$S"/
+  done
+  ls -la "$S"
+  ;;
+e2e)
+  install
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_in_pass.py tests/test_speculative.py \
+    > "$R/gpu_tests_h200.txt" 2>&1 || true
+  tail -3 "$R/gpu_tests_h200.txt"
+  python3 benchmarks/dev/bench_in_pass.py --out "$R/in_pass_kernels_h200.json" | tail -12
+  (cd benchmarks && python3 bench_e2e.py --pair llama-8b --batches 16 --contexts 8192,16384,24576,32768 \
+    --budget 512,1024,2048 --rounds 12 --out "$R/e2e_fidelity2_llama-8b_h200.json" \
+    --methods vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-pages,dustin-ip-dense,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv,dustin-ip+fp8kv,dustin-ip-sparse-draft+fp8kv \
+    2>&1 | grep -vE "^\{" | tail -5)
+  tar czf "$OUT/e2e_h200.tgz" -C "$R" .
+  ls -la "$OUT"
+  ;;
+quality)
+  cat "$S"/gguf.? > "$GGUF"
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
+  install
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  cd benchmarks
+  config=../trtllm_dustin/weights/smollm2_draft/dustin.json
+  python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --dustin-config $config \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-sparse-draft --budgets 512 1024 2048 \
+    --contexts 4096 8192 --docs 24 --batch-size 8 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 &
+  tau=$!
+  common=(--target "$GGUF" --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep
+          --dustin-config $config --contexts 4096 8192 --budgets 512 1024 2048)
+  timeout 420 python3 eval_quality.py "${common[@]}" --tasks books code needle vt qa \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-la dustin-ip-dense dustin-ip-sparse-draft quest snapkv \
+    --jobs 10 --out "$R/quality_fidelity2_h200.json" 2>&1 | tee "$R/quality_fidelity2_h200.log" | grep -E "finished|units in" || true
+  timeout 150 python3 eval_quality.py "${common[@]}" --tasks needle-new \
+    --methods classic dustin-h dustin-ip dustin-ip-pages quest snapkv \
+    --jobs 2 --out "$R/quality_needle_new_h200.json" 2>&1 | tee "$R/quality_needle_new_h200.log" | grep -E "finished|units in" || true
+  timeout 60 tail --pid=$tau -f /dev/null || echo "eval_tau still running at the deadline"
+  tail -8 "$R/tau_fidelity2_h200.log"
+  tar czf "$OUT/quality_h200.tgz" -C "$R" .
+  ls -la "$OUT"
+  ;;
+esac

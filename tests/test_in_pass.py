@@ -1,0 +1,270 @@
+"""In-pass selection (runtime/selectors/in_pass.py, issue 35) against independent references and its invariants.
+
+- the page key ranges and Quest's page bounds against float64 loops; a bound is never below any q.k of its page;
+- the set a selection layer chooses is sinks + the top of the float64 attention of the verified queries + the recent
+  window, distinct, inside [0, L); the pre-pass moves the recent window without a duplicate;
+- the verification pass reads only what it should: the layers before the selection layer the pre-pass set, the
+  selection layer and after it the chosen set (everything else poisoned with NaN), and with dense layers the full
+  cache before it; a re-selection layer chooses again from its own queries;
+- decoding: k >= every length equals vanilla (also test_speculative's registry-wide test) for every variant and with
+  sparse drafting; the Triton kernels (interpreted on the CPU) decode what the references decode;
+- the selection-layer search finds the layer whose attention is the truth in a synthetic trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import test_speculative
+import torch
+from test_speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
+
+from trtllm_dustin.attention import get_backend
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.selectors.in_pass import PAGE, head_weights, page_bounds, page_key_range
+from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings
+from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, search_selection_layers
+
+pytestmark = pytest.mark.usefixtures("plugin_references")
+env, vanilla_tokens = test_speculative.env, test_speculative.vanilla_tokens  # its module-scoped fixtures
+IN_PASS = ("dustin-ip", "dustin-ip-pages", "dustin-ip-la", "dustin-ip-dense", "dustin-ip-sparse-draft")
+
+
+# ---- page bounds -----------------------------------------------------------------------------------------------------
+def test_page_key_range_and_bounds_match_loops() -> None:
+    torch.manual_seed(0)
+    B, Hkv, G, T, D, S = 2, 2, 3, 4, 16, 70  # S not a multiple of the page
+    keys = torch.randn(B, Hkv, S, D)
+    q = torch.randn(B, T, Hkv * G, D)
+    lengths = torch.tensor([53, 21], dtype=torch.int32)
+    heads = (0, 2, 5)
+    low, high = page_key_range(keys, lengths)
+    P = -(-S // PAGE)
+    expected = torch.zeros(B, P, dtype=torch.float64)
+    for b in range(B):
+        L = int(lengths[b])
+        filled = [p for p in range(P) if p * PAGE < L]
+        for p in range(P):
+            rows = keys[b, :, p * PAGE: min((p + 1) * PAGE, L)].double()  # [H_kv, n, D]
+            if p not in filled:
+                assert bool((low[b, :, p] == 0).all() and (high[b, :, p] == 0).all())
+                continue
+            torch.testing.assert_close(low[b, :, p].double(), rows.amin(1))
+            torch.testing.assert_close(high[b, :, p].double(), rows.amax(1))
+        for h in heads:
+            g = h // G
+            for t in range(T):
+                qd = q[b, t, h].double()
+                bound = {p: float(torch.maximum(qd * low[b, g, p].double(), qd * high[b, g, p].double()).sum())
+                         for p in filled}
+                for p in filled:  # Quest's bound: never below any key's product on its page
+                    rows = keys[b, g, p * PAGE: min((p + 1) * PAGE, L)].double()
+                    assert bound[p] >= float((rows @ qd).max()) - 1e-9
+                top = max(bound.values())
+                total = sum(math.exp((v - top) / math.sqrt(D)) for v in bound.values())
+                for p in filled:
+                    expected[b, p] += math.exp((bound[p] - top) / math.sqrt(D)) / total
+    got = page_bounds(q, low, high, lengths, head_weights(heads, Hkv * G, q.device))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- the chosen set --------------------------------------------------------------------------------------------------
+def _true_scores(q: torch.Tensor, k: torch.Tensor, L: int, heads: tuple[int, ...]) -> torch.Tensor:
+    """float64 [L]: Eq. 5 of the T queries at L + t over j < L (softmax over [0, L + t]), summed over heads."""
+    T, Hq, D = q.shape
+    group = Hq // k.shape[0]
+    out = torch.zeros(L, dtype=torch.float64)
+    for h in heads:
+        for t in range(T):
+            logits = k[h // group, : L + t + 1].double() @ q[t, h].double() / math.sqrt(D)
+            out += torch.softmax(logits, 0)[:L]
+    return out
+
+
+def _decoder(method: str, env, config: DustinConfig, slots: int = 4):
+    setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, slots, S_MAX, DTYPE,
+                                                                         env.device),
+                        backend=get_backend(env.backend), draft=env.draft,
+                        draft_cache=KVCache.allocate(env.draft.config, slots, S_MAX, DTYPE, env.device), gamma=GAMMA,
+                        dustin=config)
+    return build_decoder(method, setup)
+
+
+def test_chosen_set_is_the_top_of_the_true_attention(env) -> None:
+    budget, n_recent = 28, 8
+    decoder, _ = run("dustin-ip", env, dustin=dustin_config(budget=budget, m=4, n_recent=n_recent), max_new=8)
+    selector, layer = decoder.selector, 1
+    with torch.inference_mode():
+        lengths = decoder.state.lengths
+        q = torch.randn(len(PROMPTS), GAMMA + 1, 6, 16, device=env.device)
+        k_cache = decoder.cache.k[layer]
+        selector.choose(layer, q, k_cache, lengths)
+    for b in range(len(PROMPTS)):
+        L = int(lengths[b])
+        chosen = selector.indices[b].tolist()
+        if L <= budget:
+            assert chosen == list(range(L)) + [-1] * (budget - L)
+            continue
+        scores = _true_scores(q[b].cpu(), k_cache[b].cpu(), L, tuple(range(6)))
+        free = budget - 4 - n_recent
+        candidates = sorted(range(4, L - n_recent), key=lambda j: -float(scores[j]))[:free]
+        assert sorted(chosen) == sorted([0, 1, 2, 3, *candidates, *range(L - n_recent, L)])
+
+
+def test_pre_pass_moves_the_recent_window_without_a_duplicate(env) -> None:
+    budget, n_recent = 28, 8
+    decoder, _ = run("dustin-ip", env, dustin=dustin_config(budget=budget, m=4, n_recent=n_recent), max_new=8)
+    selector = decoder.selector
+    with torch.inference_mode():
+        before = selector.indices.clone()
+        grown = decoder.state.lengths + 3  # three tokens committed since the choice
+        after = selector.select(grown, selector.estimate(grown))
+    for b in range(len(PROMPTS)):
+        L = int(grown[b])
+        valid = [x for x in after[b].tolist() if x >= 0]
+        assert len(valid) == min(budget, L) == len(set(valid)) and max(valid) < L
+        if L > budget:
+            assert after[b, -n_recent:].tolist() == list(range(L - n_recent, L))
+            kept = set(before[b, 4: budget - n_recent].tolist())
+            assert kept <= set(valid)  # the previous choice stays
+
+
+# ---- what the pass reads ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["dustin-ip", "dustin-ip-dense"])
+def test_the_pass_reads_only_its_sets(env, variant: str) -> None:
+    """Layers before the selection layer (1) read the pre-pass set (the full cache with dense layers), layer 1 and 2
+    the set layer 1 chooses: poisoning everything else in K and V (layer 1's K is scored over every position, so its
+    V only) changes no logit."""
+    budget, n_recent = 28, 8
+    decoder, _ = run(variant, env, dustin=dustin_config(budget=budget, m=4, n_recent=n_recent), max_new=10)
+    selector = decoder.selector
+    with torch.inference_mode():
+        L = decoder.state.lengths
+        pre = selector.select(L, selector.estimate(L)).clone()
+        k_saved, v_saved = decoder.cache.k.clone(), decoder.cache.v.clone()
+        expected = decoder._verify(decoder.drafter.tokens, selector.indices).clone()
+        chosen = selector.indices.clone()
+        slots = decoder.cache.batch_slots
+
+        def keep(sets: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(slots, S_MAX, dtype=torch.bool, device=env.device)
+            for b in range(slots):
+                mask[b, sets[b][sets[b] >= 0].long()] = True
+                mask[b, L[b]: L[b] + GAMMA + 1] = True  # the new tokens, rewritten by the forward anyway
+            return mask
+
+        decoder.cache.k.copy_(k_saved)
+        decoder.cache.v.copy_(v_saved)
+        selector.indices.copy_(pre)
+        if variant == "dustin-ip":
+            early = ~keep(pre)[None, :, None, :, None]
+            decoder.cache.k[:1].masked_fill_(early, float("nan"))
+            decoder.cache.v[:1].masked_fill_(early, float("nan"))
+        late = ~keep(chosen)[:, None, :, None]
+        decoder.cache.v[1].masked_fill_(late, float("nan"))
+        decoder.cache.k[2].masked_fill_(late, float("nan"))
+        decoder.cache.v[2].masked_fill_(late, float("nan"))
+        got = decoder._verify(decoder.drafter.tokens, selector.indices)
+    assert torch.equal(selector.indices, chosen)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not torch.isnan(got).any()
+
+
+def test_a_re_selection_layer_chooses_from_its_own_queries(env) -> None:
+    config = replace(dustin_config(budget=28, m=4, n_recent=8),
+                     selection_layers=(LayerHeads(0, tuple(range(6))), LayerHeads(2, (1, 3))))
+    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
+    selector = decoder.selector
+    calls = []
+    original = selector.choose
+
+    def spy(layer, q, k_cache, lengths):
+        original(layer, q, k_cache, lengths)
+        calls.append((layer, selector.indices.clone(), q.clone()))
+
+    selector.choose = spy
+    with torch.inference_mode():
+        L = decoder.state.lengths
+        decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
+    assert [layer for layer, _, _ in calls] == [0, 2]
+    layer, final, q = calls[-1]
+    for b in range(len(PROMPTS)):
+        n = int(L[b])
+        if n <= 28:
+            continue
+        scores = _true_scores(q[b].cpu(), decoder.cache.k[2][b].cpu(), n, (1, 3))
+        top = sorted(range(4, n - 8), key=lambda j: -float(scores[j]))[:28 - 12]
+        assert sorted(final[b].tolist()) == sorted([0, 1, 2, 3, *top, *range(n - 8, n)])
+
+
+# ---- decoding --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", IN_PASS)
+def test_budget_over_every_length_equals_vanilla(env, vanilla_tokens, method: str) -> None:
+    _, result = run(method, env, dustin=dustin_config(budget=S_MAX, m=40))
+    assert result.tokens == vanilla_tokens
+
+
+@pytest.mark.parametrize("method", ["dustin-ip", "dustin-ip-pages"])
+def test_sparse_in_pass_really_restricts(env, vanilla_tokens, method: str) -> None:
+    decoder, result = run(method, env, dustin=dustin_config(budget=28, m=4, n_recent=8))
+    assert all(len(t) == 24 for t in result.tokens) and result.tokens != vanilla_tokens
+    lengths = decoder.state.lengths
+    for b in range(len(PROMPTS)):
+        valid = decoder.selector.indices[b][decoder.selector.indices[b] >= 0]
+        assert len(valid) == min(28, int(lengths[b])) and bool((valid < lengths[b]).all())
+
+
+def test_sparse_draft_reads_the_pass_choice(env) -> None:
+    decoder, _ = run("dustin-ip-sparse-draft", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
+    assert torch.equal(decoder.drafter.view.chosen, decoder.selector.indices)
+
+
+def test_in_pass_on_the_triton_kernels(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels (SRH scoring over every head of the verified queries, sparse verify; interpreted on the CPU)
+    decode what the PyTorch references decode, k = 28 < L."""
+    if env.device.type == "cpu" and torch.cuda.is_available():
+        pytest.skip("on the CPU the kernels run in Triton's interpreter, chosen at import only without a GPU")
+    tokens = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "reference" and env.device.type == "cpu" else "1")
+        decoder = _decoder("dustin-ip", replace(env, backend=backend), dustin_config(budget=28, m=4, n_recent=8),
+                           slots=2)
+        tokens[backend] = decoder.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=6, prefill_chunk=32)).tokens
+    assert tokens["triton"] == tokens["reference"]
+
+
+def test_a_config_without_selection_layers_is_refused(env) -> None:
+    from trtllm_dustin.config import ConfigError
+
+    with pytest.raises(ConfigError, match="selection_layers"):
+        run("dustin-ip", env, dustin=replace(dustin_config(budget=28, m=4, n_recent=8), selection_layers=()))
+
+
+# ---- the search ------------------------------------------------------------------------------------------------------
+def test_search_finds_the_layer_whose_attention_is_everyones() -> None:
+    """A synthetic trace of 4 layers: every layer's true attention is layer 2's verification attention plus noise
+    that the other layers' own maps carry, so choosing at layer 2 covers the most mass."""
+    torch.manual_seed(1)
+    settings = TraceSettings(window=96, steps=8, gamma=3, max_delta=2, documents=2, sources=("x",))
+    S, n, layers = settings.window, settings.captured, 4
+    base = torch.rand(settings.documents, n, S) ** 8  # peaked maps
+    maps = torch.stack([base if layer == 2 else base.roll(7 * (layer + 1), dims=-1) * 0.3 + torch.rand(
+        settings.documents, n, S) for layer in range(layers)])
+    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(settings.documents).to(torch.int32)
+    context = torch.arange(S)[None, :] < seqlens.long()[:, None]
+    window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
+                 for t in range(settings.gamma + 1)).reshape(-1, S) * context
+    truth = (window / window.sum(-1, keepdim=True))[None].expand(layers, -1, -1).contiguous()
+    trace = AttentionTrace(settings, ("a", "b"), tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (),
+                           seqlens, truth, maps, None)
+    objective = InPassObjective(trace, InPassSettings(budgets=(32, 48), lag=2, max_layers=2, n_recent=8))
+    outcome = search_selection_layers(objective, progress=False)
+    assert outcome.layers[0] == 2 and outcome.phase_a[2] == max(outcome.phase_a.values())
+    per_layer = objective.per_layer([2], 32)
+    assert all(0 < v <= 1 for v in per_layer) and per_layer[2] == max(per_layer)
+    assert objective.score([2], 32, dense=2) > objective.score([2], 32)  # full layers recover everything
