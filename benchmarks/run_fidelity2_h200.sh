@@ -4,7 +4,8 @@
 #   stash N     copy the carried part .carry/q/gguf.N of the SmolLM2 GGUF (and the tasks / prompts files) to ~/stash
 #   e2e         install; the in-pass tests on the GPU; the selection layer's kernels (dev/bench_in_pass.py); the
 #               frontier rows at the Llama-3.1-8B + 3.2-1B shapes (bench_e2e.py, k = 512 / 1024 / 2048)
-#   quality     join and check the GGUF; the quality harness (4K and 8K, 60 samples per task) for every in-pass
+#   quality     join and check the GGUF; the selection-layer search on the GPU (its config is what the runs read);
+#               the quality harness (4K and 8K, 60 samples per task) for every in-pass
 #               variant beside Dustin-H, Quest and SnapKV; the generalisation run (needle-new); the tau of each
 #               method on the test windows (eval_tau.py)
 set -euo pipefail
@@ -48,23 +49,26 @@ quality)
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
   R=~/res; rm -rf "$R"; mkdir -p "$R"
+  trap 'tar czf "$OUT/quality_h200.tgz" -C "$R" .' EXIT  # whatever finished comes back, also at the deadline
+  # the selection-layer search on the train split's windows (saved where the corpora are, .carry/search_windows.npz)
+  python3 -m trtllm_dustin.search.cli search-layers --target "$GGUF" --windows .carry/search_windows.npz \
+    --srh .carry/srh_smollm2.json --window 4096 --steps 24 --documents 6 --needles 12 --device cuda \
+    --out "$R/dustin_searched.json" 2>&1 | grep -vE "it/s\]|s/it\]|layer/s\]|s/layer\]" | tail -4
+  cp "$R/dustin_searched.json" trtllm_dustin/weights/smollm2_draft/dustin.json  # what the runs below read
   cd benchmarks
   config=../trtllm_dustin/weights/smollm2_draft/dustin.json
-  python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --dustin-config $config \
-    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-sparse-draft --budgets 512 1024 2048 \
-    --contexts 4096 8192 --docs 24 --batch-size 8 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 &
-  tau=$!
   common=(--target "$GGUF" --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep
           --dustin-config $config --contexts 4096 8192 --budgets 512 1024 2048)
-  timeout 420 python3 eval_quality.py "${common[@]}" --tasks books code needle vt qa \
-    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-la dustin-ip-dense dustin-ip-sparse-draft quest snapkv \
+  timeout 370 python3 eval_quality.py "${common[@]}" --tasks books code needle vt qa \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-la dustin-ip-sparse-draft quest snapkv \
     --jobs 10 --out "$R/quality_fidelity2_h200.json" 2>&1 | tee "$R/quality_fidelity2_h200.log" | grep -E "finished|units in" || true
-  timeout 150 python3 eval_quality.py "${common[@]}" --tasks needle-new \
+  timeout 130 python3 eval_quality.py "${common[@]}" --tasks needle-new \
     --methods classic dustin-h dustin-ip dustin-ip-pages quest snapkv \
     --jobs 2 --out "$R/quality_needle_new_h200.json" 2>&1 | tee "$R/quality_needle_new_h200.log" | grep -E "finished|units in" || true
-  timeout 60 tail --pid=$tau -f /dev/null || echo "eval_tau still running at the deadline"
+  timeout 100 python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --dustin-config $config \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-sparse-draft --budgets 512 1024 2048 \
+    --contexts 4096 8192 --docs 24 --batch-size 28 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 \
+    || echo "eval_tau failed or timed out: see its log"
   tail -8 "$R/tau_fidelity2_h200.log"
-  tar czf "$OUT/quality_h200.tgz" -C "$R" .
-  ls -la "$OUT"
   ;;
 esac

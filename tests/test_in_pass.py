@@ -28,7 +28,7 @@ from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
 from trtllm_dustin.runtime.selectors.in_pass import PAGE, head_weights, page_bounds, page_key_range
 from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings
-from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, search_selection_layers
+from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, SearchTraces, search_selection_layers
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
 env, vanilla_tokens = test_speculative.env, test_speculative.vanilla_tokens  # its module-scoped fixtures
@@ -246,25 +246,52 @@ def test_a_config_without_selection_layers_is_refused(env) -> None:
 
 
 # ---- the search ------------------------------------------------------------------------------------------------------
-def test_search_finds_the_layer_whose_attention_is_everyones() -> None:
-    """A synthetic trace of 4 layers: every layer's true attention is layer 2's verification attention plus noise
-    that the other layers' own maps carry, so choosing at layer 2 covers the most mass."""
-    torch.manual_seed(1)
-    settings = TraceSettings(window=96, steps=8, gamma=3, max_delta=2, documents=2, sources=("x",))
-    S, n, layers = settings.window, settings.captured, 4
-    base = torch.rand(settings.documents, n, S) ** 8  # peaked maps
-    maps = torch.stack([base if layer == 2 else base.roll(7 * (layer + 1), dims=-1) * 0.3 + torch.rand(
-        settings.documents, n, S) for layer in range(layers)])
-    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(settings.documents).to(torch.int32)
+def _synthetic_trace(layers: int, peaked: int, documents: int = 2) -> tuple[AttentionTrace, torch.Tensor]:
+    """Every layer's true attention is layer `peaked`'s verification attention; the other layers' own maps are that
+    attention moved elsewhere plus noise. Returns the trace and the peaked maps."""
+    settings = TraceSettings(window=96, steps=8, gamma=3, max_delta=2, documents=documents, sources=("x",))
+    S, n = settings.window, settings.captured
+    base = torch.rand(documents, n, S) ** 8
+    maps = torch.stack([base if layer == peaked else base.roll(7 * (layer + 1), dims=-1) * 0.3 + torch.rand(
+        documents, n, S) for layer in range(layers)])
+    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(documents).to(torch.int32)
     context = torch.arange(S)[None, :] < seqlens.long()[:, None]
     window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
                  for t in range(settings.gamma + 1)).reshape(-1, S) * context
     truth = (window / window.sum(-1, keepdim=True))[None].expand(layers, -1, -1).contiguous()
-    trace = AttentionTrace(settings, ("a", "b"), tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (),
-                           seqlens, truth, maps, None)
-    objective = InPassObjective(trace, InPassSettings(budgets=(32, 48), lag=2, max_layers=2, n_recent=8))
+    trace = AttentionTrace(settings, tuple(f"d{i}" for i in range(documents)),
+                           tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (), seqlens, truth, maps, None)
+    return trace, base
+
+
+def test_search_finds_the_layer_whose_attention_is_everyones() -> None:
+    """Choosing at layer 2 covers the most mass: phase A finds it; dense layers only add."""
+    torch.manual_seed(1)
+    trace, _ = _synthetic_trace(4, peaked=2)
+    objective = InPassObjective(SearchTraces(trace), InPassSettings(budgets=(32, 48), lag=2, max_layers=2, n_recent=8))
     outcome = search_selection_layers(objective, progress=False)
-    assert outcome.layers[0] == 2 and outcome.phase_a[2] == max(outcome.phase_a.values())
-    per_layer = objective.per_layer([2], 32)
+    assert outcome.layers[0] == (2, "all") and outcome.phase_a[(2, "all")] == max(outcome.phase_a.values())
+    per_layer = objective.per_layer([(2, "all")], 32)
     assert all(0 < v <= 1 for v in per_layer) and per_layer[2] == max(per_layer)
-    assert objective.score([2], 32, dense=2) > objective.score([2], 32)  # full layers recover everything
+    assert objective.text_arr([(2, "all")], 32, dense=2) > objective.text_arr([(2, "all")], 32)
+
+
+def test_needle_recall_counts_the_needle_tokens_in_every_layers_set() -> None:
+    """Needles at known spans: recall is the share of span tokens in each layer's set (against a direct count), and
+    a candidate whose scores peak on the needle recalls all of it."""
+    torch.manual_seed(2)
+    text, _ = _synthetic_trace(3, peaked=0)
+    needle, base = _synthetic_trace(3, peaked=1, documents=2)
+    spans = torch.tensor([[10, 14], [30, 33]])
+    for d, (a, b) in enumerate(spans.tolist()):  # layer 1's maps put their mass on the needle
+        needle.target_maps[1, d] = 0.0
+        needle.target_maps[1, d, :, a:b] = 1.0
+    objective = InPassObjective(SearchTraces(text), InPassSettings(budgets=(32,), lag=2, n_recent=8),
+                                SearchTraces(needle, needle_spans=spans))
+    assert objective.needle_recall([(1, "all")], 32) == 1.0
+    got = objective.needle_recall([(2, "all")], 32)
+    reads = objective._reads(objective.needles, [(2, "all")], 32)
+    rows = spans.repeat_interleave(needle.settings.steps, dim=0)
+    direct = sum(len(set(sets[r].tolist()) & set(range(a, b))) / (b - a)
+                 for sets in reads for r, (a, b) in enumerate(rows.tolist())) / (len(reads) * len(rows))
+    assert got == pytest.approx(direct) and got < 1.0

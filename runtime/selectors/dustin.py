@@ -63,6 +63,9 @@ class DustinSelector:
                           for g in range(heads_kv)] if per_kv_head else []
         self.s_target_kv = torch.zeros(slots, heads_kv, s_max, dtype=torch.float32, device=device) \
             if per_kv_head else None
+        # the groups with SRH heads, as a device index built once (a host list would be copied inside a graph)
+        self._scored_groups = torch.tensor([g for g, pairs in enumerate(self._kv_heads) if pairs], dtype=torch.long,
+                                           device=device)
         self._rows = torch.arange(slots, device=device)
         self._fixed_m = torch.full((slots,), config.m, dtype=torch.long, device=device)
         free = config.budget - config.n_sink - config.n_recent
@@ -97,15 +100,12 @@ class DustinSelector:
     def _estimate_per_kv_head(self, lengths: torch.Tensor) -> None:
         """S_target of each KV head's group, and their sum (the S_target of all SRH heads, since the groups split
         them), which a group without SRH heads takes: every head is scored once."""
-        scored = []
         for g, pairs in enumerate(self._kv_heads):
             row = self.s_target_kv[:, g]
             for i, (layer, own) in enumerate(pairs):
                 srh_score(self.history_q[layer], self.cache.k[layer], lengths - 1, own, out=row, accumulate=i > 0,
                           pdl=self.pdl)
-            if pairs:
-                scored.append(g)
-        torch.sum(self.s_target_kv[:, scored], dim=1, out=self.s_target)
+        torch.sum(self.s_target_kv.index_select(1, self._scored_groups), dim=1, out=self.s_target)
         for g, pairs in enumerate(self._kv_heads):
             if not pairs:
                 self.s_target_kv[:, g].copy_(self.s_target)

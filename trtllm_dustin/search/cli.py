@@ -25,7 +25,7 @@ from trtllm_dustin.search.algorithm import SearchRecord, SearchSettings, dustin_
 from trtllm_dustin.search.arr import ARREvaluator, scaled_m
 from trtllm_dustin.search.arr_kl import ARRKLSettings, arr_kl_points, summarise
 from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings, collect_trace, validation_windows
-from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, search_selection_layers
+from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, SearchTraces, search_selection_layers
 from trtllm_dustin.search.plots import plot_arr_kl, plot_arr_vs_budget, plot_layerwise, plot_srh_scores
 from trtllm_dustin.search.srh import SRHResult, SRHSettings, identify_srh
 
@@ -378,59 +378,135 @@ def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target model (default: SmolLM2-135M)")
     parser.add_argument("--config", type=Path, default=None,
                         help="the pair's Dustin config to extend (default: the packaged pair's); its k is kept")
-    parser.add_argument("--out", type=Path, required=True, help="Dustin config JSON to write (with selection_layers)")
+    parser.add_argument("--out", type=Path, default=None, help="Dustin config JSON to write (with selection_layers)")
     parser.add_argument("--record", type=Path, default=None, help="search record JSON (default: <out>.layers.json)")
+    parser.add_argument("--srh", type=Path, default=None,
+                        help="the target's SRH JSON (`trtllm-dustin srh`): candidates also score on each layer's "
+                        "retrieval heads (default: every head only)")
+    parser.add_argument("--needles", type=int, default=12,
+                        help="needle-in-a-haystack windows of the objective's needle recall, 0: none (default: "
+                        "%(default)s)")
+    parser.add_argument("--save-windows", type=Path, default=None,
+                        help="write the token windows (text and needles, from the corpora) to this .npz and exit: a "
+                        "machine without the corpora then searches with --windows")
+    parser.add_argument("--windows", type=Path, default=None, help="the windows from --save-windows")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(InPassSettings.budgets),
-                        help="k of the ARR mean (default: %(default)s)")
+                        help="k of the objective's mean (default: %(default)s)")
     parser.add_argument("--lag", type=int, default=InPassSettings.lag,
                         help="steps between a round's choice and the next round's pre-pass (default: %(default)s)")
     parser.add_argument("--max-layers", type=int, default=InPassSettings.max_layers,
                         help="selection layers at most (default: %(default)s)")
     parser.add_argument("--min-gain", type=float, default=InPassSettings.min_gain,
-                        help="ARR a re-selection layer must add (default: %(default)s)")
+                        help="objective a re-selection layer must add (default: %(default)s)")
     parser.add_argument("--split", default="train", choices=("train", "validation"),
                         help="the corpora split the windows come from (default: %(default)s)")
     _add_trace_arguments(parser)
 
 
+def _needle_windows(tokenizer, window: int, count: int, split: str
+                    ) -> tuple[list[list[int]], list[tuple[int, int]], int]:
+    """`count` needle prompts teacher-forced through their needle: each window is a prompt of window - A tokens with a
+    needle of NEEDLES at an evenly spread depth, then the needle's first A tokens (A: the shortest needle)."""
+    from trtllm_dustin.search.needle_haystack import NEEDLES, build_prompt, haystack_tokens
+
+    answers = [list(tokenizer.encode(" " + n.text, add_special_tokens=False)) for n in NEEDLES]
+    answer_len = min(len(a) for a in answers)
+    haystack = haystack_tokens(tokenizer, window, split=split)
+    tokens, spans = [], []
+    for i in range(count):
+        prompt = build_prompt(tokenizer, haystack, NEEDLES[i % len(NEEDLES)], window - answer_len,
+                              (i + 0.5) / count)
+        tokens.append(list(prompt.tokens) + answers[i % len(NEEDLES)][:answer_len])
+        spans.append(prompt.needle_span)
+    return tokens, spans, answer_len
+
+
 def layers_command(args: argparse.Namespace) -> int:
     """The in-pass selection layers of a target (search/in_pass.py): writes the config with selection_layers."""
+    import numpy as np
+
     from trtllm_dustin.models.loading import default_dustin_config_path
 
     start = time.perf_counter()
+    if args.out is None and args.save_windows is None:
+        raise ConfigError("search-layers needs --out (the config to write) or --save-windows (the windows to save)")
     device = _device(args.device)
     provenance = Provenance.capture(device)
     base = DustinConfig.load(args.config or default_dustin_config_path())
     settings = InPassSettings(budgets=tuple(args.budgets), lag=args.lag, max_layers=args.max_layers,
                               min_gain=args.min_gain, n_sink=base.n_sink, n_recent=base.n_recent)
+    text_settings = _trace_settings(args)
+    srh = SRHResult.load(args.srh) if args.srh else None
     target = load_model(args.target, device=device, seed=args.seed)
-    if target.tokenizer is None:
-        raise ConfigError(f"the target {target.source} has no tokenizer; the windows need one")
     base.check_models(target.model.config, None)
+    if args.windows is None:
+        if target.tokenizer is None:
+            raise ConfigError(f"the target {target.source} has no tokenizer; the windows need one")
+        text = validation_windows(target.tokenizer, text_settings, split=args.split)
+        needles = (_needle_windows(target.tokenizer, args.window, args.needles, args.split) if args.needles
+                   else ([], [], 0))
+        if args.save_windows is not None:
+            np.savez_compressed(args.save_windows, text=np.asarray([t for _, t in text], dtype=np.int32),
+                                text_ids=np.asarray([d for d, _ in text]),
+                                needles=np.asarray(needles[0], dtype=np.int32).reshape(len(needles[0]), args.window),
+                                needle_spans=np.asarray(needles[1], dtype=np.int64).reshape(-1, 2),
+                                answer_len=np.asarray(needles[2]), split=np.asarray(args.split))
+            print(f"wrote {args.save_windows}: {len(text)} text and {len(needles[0])} needle windows of {args.window}")
+            return 0
+    else:
+        data = np.load(args.windows)
+        text = [(str(d), t.tolist()) for d, t in zip(data["text_ids"], data["text"], strict=True)]
+        needles = ([t.tolist() for t in data["needles"]], [tuple(x) for x in data["needle_spans"].tolist()],
+                   int(data["answer_len"]))
+        if str(data["split"]) != args.split:
+            raise ConfigError(f"--windows {args.windows} holds the {data['split']} split, not --split {args.split}")
     config = target.model.config
     every = tuple(LayerHeads(layer, tuple(range(config.num_heads))) for layer in range(config.num_layers))
-    trace_settings = _trace_settings(args)
-    windows = validation_windows(target.tokenizer, trace_settings, split=args.split)
-    trace = collect_trace(target.model, every, windows, trace_settings)
+    srh_heads = {lh.layer: lh.heads for lh in srh.layers} if srh else {}
+    if srh and sorted(srh_heads) != list(range(config.num_layers)):
+        raise ConfigError(f"{args.srh} lists SRH heads for layers {sorted(srh_heads)}; the search needs every layer")
+    srh_layers = tuple(LayerHeads(layer, srh_heads[layer]) for layer in range(config.num_layers)) if srh else ()
+
+    def traces(windows: list[tuple[str, list[int]]], trace_settings: TraceSettings,
+               spans: torch.Tensor | None = None) -> SearchTraces:
+        every_trace = collect_trace(target.model, every, windows, trace_settings)
+        srh_trace = collect_trace(target.model, srh_layers, windows, trace_settings) if srh else None
+        return SearchTraces(every_trace, srh_trace, spans)
+
+    text_traces = traces(text, text_settings)
+    needle_traces = None
+    if needles[0]:
+        # the steps whose Γ + 1 verified queries all lie in the teacher-forced answer (the last answer_len tokens)
+        steps = needles[2] - args.gamma
+        if steps <= settings.lag:
+            raise ConfigError(f"the needles' answers hold {needles[2]} tokens: too few for Γ = {args.gamma} and the "
+                              f"lag {settings.lag}")
+        needle_settings = replace(text_settings, steps=min(steps, text_settings.steps), documents=len(needles[0]))
+        needle_traces = traces([(f"needle/{i}", t) for i, t in enumerate(needles[0])], needle_settings,
+                               torch.tensor(needles[1], dtype=torch.int64))
     trace_s = time.perf_counter() - start
-    objective = InPassObjective(trace, settings)
+    objective = InPassObjective(text_traces, settings, needle_traces)
     outcome = search_selection_layers(objective)
-    chosen = replace(base, selection_layers=tuple(LayerHeads(layer, tuple(range(config.num_heads)))
-                                                  for layer in outcome.layers))
+    chosen = replace(base, selection_layers=tuple(
+        LayerHeads(layer, tuple(range(config.num_heads)) if kind == "all" else srh_heads[layer])
+        for layer, kind in outcome.layers))
     chosen.check_models(target.model.config, None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     chosen.save(args.out)
-    record = {"settings": asdict(settings), "trace": json.loads(trace.describe()), "split": args.split,
-              "outcome": outcome.to_dict(),
-              "per_layer_arr": {b: objective.per_layer(outcome.layers, b) for b in settings.budgets},
-              "seconds": {"attention_collection": round(trace_s, 1), "total": round(time.perf_counter() - start, 1)},
+    record = {"settings": asdict(settings), "split": args.split, "srh": str(args.srh) if args.srh else None,
+              "text_trace": json.loads(text_traces.every_head.describe()),
+              "needle_trace": json.loads(needle_traces.every_head.describe()) if needle_traces else None,
+              "needle_spans": needles[1], "outcome": outcome.to_dict(),
+              "per_layer_text_arr": {b: objective.per_layer(outcome.layers, b) for b in settings.budgets},
+              "seconds": {"traces": round(trace_s, 1), "total": round(time.perf_counter() - start, 1)},
               "provenance": provenance.finished(time.perf_counter() - start).to_dict()}
     record_path = args.record or args.out.with_suffix(".layers.json")
     record_path.write_text(json.dumps(record, indent=1) + "\n")
-    best = sorted(outcome.phase_a.items(), key=lambda kv: -kv[1])[:5]
-    print("phase A (mean ARR alone): " + ", ".join(f"layer {layer} {value:.4f}" for layer, value in best))
-    print(f"selection layers {list(outcome.layers)}: mean ARR {outcome.arr:.4f} "
-          f"({', '.join(f'k={b} {v:.4f}' for b, v in outcome.by_budget.items())})")
+    best = sorted(outcome.phase_a.items(), key=lambda kv: -kv[1])[:6]
+    print("phase A (objective alone): " + ", ".join(f"layer {c[0]} {c[1]} {v:.4f}" for c, v in best))
+    print(f"selection layers {[f'{layer} ({kind})' for layer, kind in outcome.layers]}: objective {outcome.value:.4f}; "
+          + ", ".join(f"k={b}: text ARR {v['text_arr']:.4f}, needle recall {v['needle_recall']:.4f}"
+                      for b, v in outcome.by_budget.items()))
     print(f"wrote {args.out} and {record_path} in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -1,24 +1,29 @@
 """The selection-layer search: which target layers choose the verification set inside the pass (in-pass selection).
 
 Algorithm 1 (algorithm.py) picks the SRH layers of Dustin's estimator by ARR. The in-pass selector
-(runtime/selectors/in_pass.py) has one choice left that the data must make: at which layer(s) the verification
-queries choose the set. This extends the search with two phases over the same teacher-forced traces (train split),
-collected with every target layer and head:
+(runtime/selectors/in_pass.py) has one choice left that the data must make: at which layer(s), scored on which heads
+(every head, or the layer's semantic retrieval heads from `trtllm-dustin srh`), the verification queries choose the
+set. This extends the search with two phases over teacher-forced traces of the train split:
 
-  phase A  l_1 = argmax_l ARR(l): the set chosen at l from its Γ + 1 queries (Eq. 5 over all its heads), read by
-           l and the following layers; the layers before l read the previous round's choice (`lag` steps back)
-  phase B  greedily add a re-selection layer l' > l_1 while it raises ARR by at least `min_gain`, at most
-           `max_layers` selection layers in all (each costs one more scoring pass over K)
+  phase A  the candidate (layer l, heads) with the best objective: the set chosen at l from its Γ + 1 queries (Eq. 5
+           over those heads), read by l and the following layers; the layers before l read the previous round's
+           choice (`lag` steps back)
+  phase B  greedily add a re-selection candidate at a later layer while it raises the objective by `min_gain`, at
+           most `max_layers` selection layers in all (each costs one more scoring pass over K)
 
-ARR(config) is the mean over the target's layers and the trace's steps of each layer's windowed ARR (Eq. 2) of the
-set that layer reads, against that layer's own attention of the verification queries (all heads, renormalised over
-[0, L)); a dense layer (full cache) counts 1. The mean is over the search budgets.
+The objective is the sum of two means over the search budgets, each in [0, 1]:
+  text ARR       over windows of the corpora: the mean over the target's layers and steps of each layer's windowed
+                 ARR (Eq. 2) of the set it reads, against that layer's own attention of the verification queries (all
+                 heads, renormalised over [0, L)); a dense layer counts 1
+  needle recall  over needle-in-a-haystack prompts of the train split's essays, teacher-forced through the needle
+                 sentence: the share of the needle's tokens in the set each layer reads while the answer is verified
+                 (what sparse verification loses on retrieval, which ARR over ordinary text barely sees)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -27,7 +32,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.search.arr import arr
 from trtllm_dustin.search.attention_trace import AttentionTrace
 
-__all__ = ["InPassObjective", "InPassOutcome", "InPassSettings", "search_selection_layers"]
+__all__ = ["Candidate", "InPassObjective", "InPassOutcome", "InPassSettings", "SearchTraces", "search_selection_layers"]
 
 
 @dataclass(frozen=True)
@@ -48,112 +53,160 @@ class InPassSettings:
             raise ConfigError(f"lag={self.lag} and max_layers={self.max_layers} must be >= 1")
 
 
+Candidate = tuple[int, str]  # (layer, head set): "all" its heads, or "srh" its semantic retrieval heads
+
+
 @dataclass(frozen=True)
 class InPassOutcome:
-    layers: tuple[int, ...]  # the selection layers, ascending
-    arr: float  # their mean ARR
-    phase_a: dict[int, float]  # candidate layer -> mean ARR alone
-    phase_b: list[dict[int, float]]  # per round: candidate re-selection layer -> mean ARR with it added
-    by_budget: dict[int, float]  # the outcome's ARR at each search budget
+    layers: tuple[Candidate, ...]  # the selection layers (ascending) and the heads each scores on
+    value: float  # their objective
+    phase_a: dict[Candidate, float]  # candidate -> objective alone
+    phase_b: list[dict[Candidate, float]]  # per round: candidate re-selection -> objective with it added
+    by_budget: dict[int, dict[str, float]]  # the outcome's text ARR and needle recall at each search budget
 
     def to_dict(self) -> dict:
-        data = asdict(self)
-        data["phase_a"] = [{"layer": k, "arr": round(v, 6)} for k, v in self.phase_a.items()]
-        data["phase_b"] = [[{"layer": k, "arr": round(v, 6)} for k, v in r.items()] for r in self.phase_b]
-        return data
+        return {"layers": [{"layer": layer, "heads": kind} for layer, kind in self.layers], "value": self.value,
+                "phase_a": [{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in self.phase_a.items()],
+                "phase_b": [[{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in r.items()]
+                            for r in self.phase_b],
+                "by_budget": self.by_budget}
+
+
+@dataclass(frozen=True)
+class SearchTraces:
+    """One part of the objective: a trace measured with every head of every layer (the truth, and the "all" scores)
+    and, optionally, one measured with each layer's SRH heads (the "srh" scores)."""
+
+    every_head: AttentionTrace
+    srh: AttentionTrace | None = None
+    needle_spans: torch.Tensor | None = None  # int64 [documents, 2]: [start, end) of each window's needle (needles)
+
+    def maps(self, kind: str) -> torch.Tensor:
+        trace = self.every_head if kind == "all" else self.srh
+        if trace is None:
+            raise ConfigError("an srh candidate needs the trace measured with the SRH heads (--srh)")
+        return trace.target_maps
 
 
 class InPassObjective:
-    """Mean per-layer ARR of in-pass configurations over a trace that measured every target layer with all heads."""
+    """The search's objective (module doc) over a text part and an optional needle part."""
 
-    def __init__(self, trace: AttentionTrace, settings: InPassSettings) -> None:
-        self.trace, self.settings = trace, settings
-        self.layers = tuple(lh.layer for lh in trace.target_srh)
-        if self.layers != tuple(range(len(self.layers))):
+    def __init__(self, text: SearchTraces, settings: InPassSettings, needles: SearchTraces | None = None) -> None:
+        self.text, self.needles, self.settings = text, needles, settings
+        layers = tuple(lh.layer for lh in text.every_head.target_srh)
+        if layers != tuple(range(len(layers))):
             raise ConfigError("the in-pass search needs a trace of every target layer (0 .. L-1) with all heads")
-        s = trace.settings
-        if s.steps <= settings.lag:
-            raise ConfigError(f"the trace has {s.steps} steps per window; the pre-pass lag {settings.lag} needs more")
-        self._sets: dict[tuple[int, int], torch.Tensor] = {}
+        self.layers = layers
+        kinds = ("all", "srh") if text.srh is not None and (needles is None or needles.srh is not None) else ("all",)
+        self.candidates: tuple[Candidate, ...] = tuple((layer, kind) for layer in layers for kind in kinds)
+        for part in (text, needles):
+            if part is not None and part.every_head.settings.steps <= settings.lag:
+                raise ConfigError(f"a trace has {part.every_head.settings.steps} steps per window; the pre-pass lag "
+                                  f"{settings.lag} needs more")
+        self._sets: dict[tuple, torch.Tensor] = {}
 
-    def _scores(self, layer: int) -> torch.Tensor:
-        """[R, S]: Eq. 5 of the Γ + 1 verification queries at L .. L + Γ over all heads, j < L."""
-        s = self.trace.settings
-        maps = self.trace.target_maps[layer]  # [documents, captured, S]: head-summed probabilities per query
+    # ---- sets --------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _scores(part: SearchTraces, candidate: Candidate) -> torch.Tensor:
+        """[R, S]: Eq. 5 of the Γ + 1 verification queries at L .. L + Γ over the candidate's heads, j < L."""
+        trace = part.every_head
+        s = trace.settings
+        maps = part.maps(candidate[1])[candidate[0]]  # [documents, captured, S]: head-summed probabilities
         total = sum(maps[:, s.max_delta + t: s.max_delta + t + s.steps] for t in range(s.gamma + 1))
         scores = total.reshape(-1, maps.shape[-1])
-        positions = torch.arange(scores.shape[1])
-        return scores * (positions[None, :] < self.trace.seqlens.long()[:, None])
+        return scores * (torch.arange(scores.shape[1])[None, :] < trace.seqlens.long()[:, None])
 
-    def chosen(self, layer: int, budget: int) -> torch.Tensor:
-        """int64 [R, k]: the set layer `layer` chooses at each step (sinks + top + recent, all of [0, L) if L <= k)."""
-        key = (layer, budget)
+    def chosen(self, part: SearchTraces, candidate: Candidate, budget: int) -> torch.Tensor:
+        """int64 [R, k]: the set the candidate chooses at each step (sinks + top + recent, all of [0, L) if L <= k)."""
+        key = (id(part), candidate, budget)
         if key not in self._sets:
             cfg = self.settings
-            scores, lengths = self._scores(layer), self.trace.seqlens.long()[:, None]
+            scores, lengths = self._scores(part, candidate), part.every_head.seqlens.long()[:, None]
             positions = torch.arange(scores.shape[1])[None, :]
-            candidate = (positions >= cfg.n_sink) & (positions < lengths - cfg.n_recent)
+            candidate_mask = (positions >= cfg.n_sink) & (positions < lengths - cfg.n_recent)
             free = budget - cfg.n_sink - cfg.n_recent
-            top = torch.topk(scores.masked_fill(~candidate, float("-inf")), free, dim=1).indices
+            top = torch.topk(scores.masked_fill(~candidate_mask, float("-inf")), free, dim=1).indices
             chosen = torch.cat([positions[:, : cfg.n_sink].expand(len(lengths), -1), top,
                                 lengths - cfg.n_recent + torch.arange(cfg.n_recent)[None, :]], dim=1)
             every = torch.where(positions[:, :budget] < lengths, positions[:, :budget], -1)
             self._sets[key] = torch.where(lengths > budget, chosen, every)
         return self._sets[key]
 
-    def _previous(self, sets: torch.Tensor) -> torch.Tensor:
+    def _previous(self, part: SearchTraces, sets: torch.Tensor) -> torch.Tensor:
         """The set `lag` steps back in the same window (the previous round's choice), with the recent window moved to
         the current step's L; a window's first steps keep their own set."""
-        s, cfg = self.trace.settings, self.settings
+        s, cfg = part.every_head.settings, self.settings
         rows = sets.view(s.documents, s.steps, -1)
         shifted = torch.cat([rows[:, : cfg.lag], rows[:, : -cfg.lag]], dim=1).reshape(sets.shape).clone()
-        lengths = self.trace.seqlens.long()[:, None]
+        lengths = part.every_head.seqlens.long()[:, None]
         budget = sets.shape[1]
         shifted[:, budget - cfg.n_recent:] = lengths - cfg.n_recent + torch.arange(cfg.n_recent)[None, :]
         every = torch.where(torch.arange(budget)[None, :] < lengths, torch.arange(budget)[None, :], -1)
         return torch.where(lengths > budget, shifted, every)
 
-    def per_layer(self, selection: Sequence[int], budget: int, dense: int = 0) -> list[float]:
-        """Each target layer's mean ARR under the configuration (selection layers ascending, `dense` full layers)."""
+    def _reads(self, part: SearchTraces, selection: Sequence[Candidate], budget: int) -> list[torch.Tensor]:
+        """The set each target layer reads under the configuration (selection ascending by layer)."""
         selection = sorted(selection)
-        previous = self._previous(self.chosen(selection[-1], budget))
+        previous = self._previous(part, self.chosen(part, selection[-1], budget))
         out = []
         for layer in self.layers:
-            if layer < dense:
-                out.append(1.0)
-                continue
-            readers = [sel for sel in selection if sel <= layer]
-            sets = self.chosen(readers[-1], budget) if readers else previous
-            out.append(float(arr(self.trace.truth_by_layer[layer], sets).mean()))
+            readers = [c for c in selection if c[0] <= layer]
+            out.append(self.chosen(part, readers[-1], budget) if readers else previous)
         return out
 
-    def score(self, selection: Sequence[int], budget: int, dense: int = 0) -> float:
+    # ---- the objective -----------------------------------------------------------------------------------------------
+    def per_layer(self, selection: Sequence[Candidate], budget: int, dense: int = 0) -> list[float]:
+        """Each target layer's mean text ARR under the configuration (`dense` first layers in full)."""
+        reads = self._reads(self.text, selection, budget)
+        return [1.0 if layer < dense else float(arr(self.text.every_head.truth_by_layer[layer], sets).mean())
+                for layer, sets in zip(self.layers, reads, strict=True)]
+
+    def text_arr(self, selection: Sequence[Candidate], budget: int, dense: int = 0) -> float:
         values = self.per_layer(selection, budget, dense)
         return sum(values) / len(values)
 
-    def mean(self, selection: Sequence[int], dense: int = 0) -> float:
-        return sum(self.score(selection, b, dense) for b in self.settings.budgets) / len(self.settings.budgets)
+    def needle_recall(self, selection: Sequence[Candidate], budget: int) -> float:
+        """The mean over layers and answer steps of the share of the needle's tokens in the set each layer reads."""
+        if self.needles is None:
+            return 0.0
+        part = self.needles
+        s = part.every_head.settings
+        spans = part.needle_spans.repeat_interleave(s.steps, dim=0)  # [R, 2]
+        shares = []
+        for sets in self._reads(part, selection, budget):
+            inside = (sets[:, :, None] >= spans[:, None, :1]) & (sets[:, :, None] < spans[:, None, 1:])
+            shares.append(inside.sum((1, 2)).float() / (spans[:, 1] - spans[:, 0]).float())
+        return float(torch.stack(shares).mean())
+
+    def mean(self, selection: Sequence[Candidate]) -> float:
+        budgets = self.settings.budgets
+        return sum(self.text_arr(selection, b) + self.needle_recall(selection, b) for b in budgets) / len(budgets)
 
 
 def search_selection_layers(objective: InPassObjective, progress: bool = True) -> InPassOutcome:
-    """Phases A and B (module doc). Ties go to the lower layer."""
+    """Phases A and B (module doc). Ties go to the lower layer, then to every head."""
     settings = objective.settings
-    phase_a = {layer: objective.mean([layer]) for layer in tqdm(objective.layers, desc="phase A: selection layer",
-                                                                disable=not progress)}
-    chosen = [max(phase_a, key=lambda layer: (phase_a[layer], -layer))]
+
+    def order(c: Candidate, value: float) -> tuple:
+        return value, -c[0], c[1] == "all"
+
+    phase_a = {c: objective.mean([c]) for c in tqdm(objective.candidates, desc="phase A: selection layer",
+                                                    disable=not progress)}
+    chosen = [max(phase_a, key=lambda c: order(c, phase_a[c]))]
     best = phase_a[chosen[0]]
-    phase_b: list[dict[int, float]] = []
+    phase_b: list[dict[Candidate, float]] = []
     while len(chosen) < settings.max_layers:
-        candidates = [layer for layer in objective.layers if layer > chosen[-1]]
-        if not candidates:
+        later = [c for c in objective.candidates if c[0] > chosen[-1][0]]
+        if not later:
             break
-        scores = {layer: objective.mean([*chosen, layer]) for layer in tqdm(
-            candidates, desc=f"phase B: re-selection layer {len(chosen)}", disable=not progress)}
+        scores = {c: objective.mean([*chosen, c]) for c in tqdm(
+            later, desc=f"phase B: re-selection layer {len(chosen)}", disable=not progress)}
         phase_b.append(scores)
-        pick = max(scores, key=lambda layer: (scores[layer], -layer))
+        pick = max(scores, key=lambda c: order(c, scores[c]))
         if scores[pick] < best + settings.min_gain:
             break
         chosen.append(pick)
         best = scores[pick]
-    by_budget = {b: objective.score(chosen, b) for b in settings.budgets}
+    by_budget = {b: {"text_arr": objective.text_arr(chosen, b), "needle_recall": objective.needle_recall(chosen, b)}
+                 for b in settings.budgets}
     return InPassOutcome(tuple(chosen), best, phase_a, phase_b, by_budget)
