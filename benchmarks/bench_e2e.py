@@ -100,27 +100,28 @@ class Pair:
 
 
 def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers: tuple[int, ...],
-                 draft_heads: tuple[int, ...], num_layers: int, num_heads: int) -> DustinConfig:
+                 draft_heads: tuple[int, ...], num_layers: int) -> DustinConfig:
     # Hand-written placeholders, not searched: they fix the estimator's cost, not its quality. The in-pass selection
-    # layer sits at the depth the search chose for the real pair (SELECTION_DEPTH), scoring on every head.
-    selection = LayerHeads(round(SELECTION_DEPTH * num_layers), tuple(range(num_heads)))
+    # layer sits at the depth the search chose for the real pair (SELECTION_DEPTH) and scores on 4 heads of 4 KV
+    # groups, as the searched config does on its layer's 4 SRH heads.
+    selection = LayerHeads(round(SELECTION_DEPTH * num_layers), target_heads)
     return DustinConfig(target_layers=(LayerHeads(target_layer, target_heads),),
                         draft_layers=tuple(LayerHeads(layer, draft_heads) for layer in draft_layers), budget=512,
                         m=128, selection_layers=(selection,))
 
 
-SELECTION_DEPTH = 0.3  # the packaged SmolLM2 config's selection layer (9) over its 30 layers (`search-layers`)
+SELECTION_DEPTH = 0.7  # the packaged SmolLM2 config's selection layer (21) over its 30 layers (`search-layers`)
 
 
 PAIRS = {
     # Table 10 of the paper (Llama-3.1-8B + 1B, batch 16, 32K): Classic SD 2.7, MagicDec 2.6, Dustin 2.8
     "llama-8b": Pair("preset:llama-3.1-8b", "preset:llama-3.2-1b", 3, 2.8,
-                     _paper_sized(16, (0, 8, 16, 24), (4, 8, 12), (0, 8, 16, 24), 32, 32),
+                     _paper_sized(16, (0, 8, 16, 24), (4, 8, 12), (0, 8, 16, 24), 32),
                      method_tau={"classic": 2.7, "magicdec": 2.6}),
     "qwen-7b": Pair("preset:qwen2.5-7b", "preset:qwen2.5-0.5b", 3, 2.2,
-                    _paper_sized(14, (0, 7, 14, 21), (6, 12, 18), (0, 3, 7, 10), 28, 28)),
+                    _paper_sized(14, (0, 7, 14, 21), (6, 12, 18), (0, 3, 7, 10), 28)),
     "qwen-14b": Pair("preset:qwen2.5-14b", "preset:qwen2.5-0.5b", 3, 2.2,
-                     _paper_sized(24, (0, 10, 20, 30), (6, 12, 18), (0, 3, 7, 10), 48, 40)),
+                     _paper_sized(24, (0, 10, 20, 30), (6, 12, 18), (0, 3, 7, 10), 48)),
     "tiny": Pair("preset:tiny-llama", "preset:tiny-llama-draft", 3, 2.8,  # CPU smoke test of this script
                  DustinConfig(target_layers=(LayerHeads(1, (0, 3)),), draft_layers=(LayerHeads(1, (0, 2)),),
                               budget=48, m=8, n_recent=8, selection_layers=(LayerHeads(1, tuple(range(6))),))),

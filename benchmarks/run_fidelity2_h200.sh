@@ -32,12 +32,14 @@ e2e)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
   R=~/res; rm -rf "$R"; mkdir -p "$R"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_in_pass.py tests/test_speculative.py \
+    tests/test_fidelity_selectors.py \
     > "$R/gpu_tests_h200.txt" 2>&1 || true
   tail -3 "$R/gpu_tests_h200.txt"
   python3 benchmarks/dev/bench_in_pass.py --out "$R/in_pass_kernels_h200.json" | tail -12
+  python3 benchmarks/dev/bench_in_pass.py --heads 0 8 16 24 --out "$R/in_pass_kernels_4heads_h200.json" | tail -12
   (cd benchmarks && python3 bench_e2e.py --pair llama-8b --batches 16 --contexts 8192,16384,24576,32768 \
     --budget 512,1024,2048 --rounds 12 --out "$R/e2e_fidelity2_llama-8b_h200.json" \
-    --methods vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-pages,dustin-ip-dense,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv,dustin-ip+fp8kv,dustin-ip-sparse-draft+fp8kv \
+    --methods vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-pages,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv,dustin-ip+fp8kv,dustin-ip-sparse-draft+fp8kv \
     2>&1 | grep -vE "^\{" | tail -5)
   tar czf "$OUT/e2e_h200.tgz" -C "$R" .
   ls -la "$OUT"

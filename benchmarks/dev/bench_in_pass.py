@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--tokens", type=int, default=4, help="T = Γ + 1 verified queries (default: %(default)s)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--heads", type=int, nargs="*", default=None,
+                        help="the query heads that score (default: every head)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -53,7 +55,7 @@ def main() -> None:
     v = torch.randn(B, hkv, S, d, device=dev, dtype=torch.bfloat16)
     q = torch.randn(B, T, hq, d, device=dev, dtype=torch.bfloat16)
     lengths = torch.full((B,), L, dtype=torch.int32, device=dev)
-    heads = tuple(range(hq))
+    heads = tuple(args.heads) if args.heads else tuple(range(hq))
     out = torch.empty_like(q)
     scores = torch.empty(B, S, device=dev)
     kv_bytes = 2 * B * hkv * (L + T) * d * 2
@@ -66,13 +68,15 @@ def main() -> None:
         print(f"{name:28s} {ms * 1e3:8.1f} us  floor {floor * 1e3:8.1f} us", flush=True)
 
     row("verify", graph_ms([lambda: verify_attention(q, k, v, lengths, out=out)], args.replays), kv_bytes)
-    row("score", graph_ms([lambda: srh_score(q, k, lengths, heads, out=scores)], args.replays), k_bytes)
+    groups = len({h // (hq // hkv) for h in heads})  # the KV heads whose keys the scoring reads
+    row("score", graph_ms([lambda: srh_score(q, k, lengths, heads, out=scores)], args.replays),
+        k_bytes * groups // hkv)
 
     def dense_selection() -> None:
         _, lse = verify_attention(q, k, v, lengths, out=out, return_lse=True)
         srh_score(q, k, lengths, heads, lse=lse, out=scores)
 
-    row("verify+lse+score", graph_ms([dense_selection], args.replays), kv_bytes + k_bytes)
+    row("verify+lse+score", graph_ms([dense_selection], args.replays), kv_bytes + k_bytes * groups // hkv)
     positions = torch.arange(S, device=dev)[None, :]
     candidate = (positions >= 4) & (positions < L - 16)
     for budget in args.budgets:
@@ -87,7 +91,7 @@ def main() -> None:
     weights = head_weights(heads, hq, dev)
     row("pages", graph_ms([lambda: page_bounds(q, low, high, lengths, weights)], args.replays),
         2 * low.numel() * 4)
-    save_json(args.out, {**environment(), "shape": args.shape, "batch": B, "context": L, "tokens": T,
+    save_json(args.out, {**environment(), "shape": args.shape, "batch": B, "context": L, "tokens": T, "heads": heads,
                          "query_heads": hq, "kv_heads": hkv, "head_dim": d, "rows": rows})
 
 
