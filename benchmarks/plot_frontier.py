@@ -19,15 +19,33 @@ from pathlib import Path
 
 from eval_quality import PRIMARY, task_mean
 
-CURVES = ("dustin-h", "dustin-h-sparse-draft")
+CURVES = ("dustin-h", "dustin-h-sparse-draft", "dustin-ip", "dustin-ip-pages", "dustin-ip-sparse-draft")
+
+
+def _merged(summaries: list[dict]) -> dict[str, dict]:
+    merged: dict[str, dict] = {}
+    for summary in summaries:  # later files win: list the main run last
+        merged.update(summary)
+    return merged
+
+
+def task_gaps(summaries: list[dict]) -> dict[tuple[int, str, int | None], dict[str, float]]:
+    """(context, key, budget) -> task -> primary metric minus FullKV's, x 100."""
+    merged = _merged(summaries)
+    out: dict[tuple[int, str, int | None], dict[str, float]] = {}
+    for name, row in merged.items():
+        task, context, key, budget = name.split("|")
+        full = merged.get(f"{task}|{context}|classic|None")
+        if task in PRIMARY and full is not None and key != "classic":
+            cell = (int(context), key, None if budget == "None" else int(budget))
+            out.setdefault(cell, {})[task] = 100 * (row[PRIMARY[task]]["mean"] - full[PRIMARY[task]]["mean"])
+    return out
 
 
 def quality_means(summaries: list[dict]) -> dict[tuple[int, str, int | None], float]:
     """(context, key, budget) -> task mean x 100 over the tasks FullKV has at that context (rows missing one of
     them are left out)."""
-    merged: dict[str, dict] = {}
-    for summary in summaries:  # later files win: list the main run last
-        merged.update(summary)
+    merged = _merged(summaries)
     cells, tasks = set(), {}
     for name in merged:
         task, context, key, budget = name.split("|")
@@ -45,11 +63,28 @@ def round_times(e2e: dict, batch: int, context: int) -> dict[tuple[str, int | No
             if r.get("batch") == batch and r.get("context") == context and "ms_per_round" in r}
 
 
-def default_budget(times: dict, method: str, slack: float) -> tuple[int, list[int]]:
-    """The largest k whose round is within `slack` of k = 512's, and every k that is."""
-    base = times[(method, 512)]
-    within = sorted(k for (m, k), ms in times.items() if m == method and k is not None and ms <= base * (1 + slack))
-    return max(within), within
+def default_choice(quality: dict, gaps: dict, times: dict, contexts: list[int], reference: tuple[str, int],
+                   limit: float, goal: float, task_goal: float) -> dict:
+    """The cheapest (method, k) of CURVES within `limit` of the reference round that meets both goals (module doc),
+    else the one with the smallest worst task-mean gap; with every candidate's gaps."""
+    ceiling = times[reference] * (1 + limit)
+    rows = []
+    for (method, k), ms in sorted(times.items(), key=lambda x: x[1]):
+        if method not in CURVES or k is None or ms > ceiling:
+            continue
+        means = {c: quality.get((c, method, k)) for c in contexts}
+        if any(v is None for v in means.values()):
+            continue
+        mean_gaps = {c: means[c] - quality[(c, "classic", None)] for c in contexts}
+        worst_task = min(min(gaps.get((c, method, k), {}).values(), default=0.0) for c in contexts)
+        meets = min(mean_gaps.values()) >= -goal and worst_task >= -task_goal
+        rows.append({"method": method, "budget": k, "round_ms": ms, "gap_to_fullkv": mean_gaps,
+                     "worst_task_gap": worst_task, "meets_goals": meets})
+    if not rows:
+        raise SystemExit(f"no point of {CURVES} within {limit:.0%} of {reference}'s round has quality at every context")
+    met = [r for r in rows if r["meets_goals"]]
+    pick = met[0] if met else max(rows, key=lambda r: min(r["gap_to_fullkv"].values()))
+    return {"choice": pick, "candidates": rows, "ceiling_ms": ceiling, "reference": list(reference)}
 
 
 def main() -> None:
@@ -58,35 +93,47 @@ def main() -> None:
     parser.add_argument("--e2e", type=Path, required=True, help="bench_e2e.py --budget JSON")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--e2e-context", type=int, default=32768, help="the context whose round times are used")
-    parser.add_argument("--cost-slack", type=float, default=0.03, help="allowed round-time growth over k = 512's")
+    parser.add_argument("--reference", default="dustin-h@1024",
+                        help="METHOD@K whose round the cost limit is relative to (default: %(default)s)")
+    parser.add_argument("--cost-limit", type=float, default=0.05,
+                        help="allowed round-time growth over the reference's (default: %(default)s)")
+    parser.add_argument("--goal", type=float, default=1.0,
+                        help="task-mean points below FullKV allowed at every context (default: %(default)s)")
+    parser.add_argument("--task-goal", type=float, default=3.0,
+                        help="points below FullKV allowed on every task (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="PNG; the numbers go to a .json beside it")
     args = parser.parse_args()
     for path in [*args.quality, args.e2e]:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist")
-    quality = quality_means([json.loads(p.read_text())["summary"] for p in args.quality])
+    summaries = [json.loads(p.read_text())["summary"] for p in args.quality]
+    quality, gaps = quality_means(summaries), task_gaps(summaries)
     e2e = json.loads(args.e2e.read_text())
     times = round_times(e2e, args.batch, args.e2e_context)
-    if ("dustin-h", 512) not in times:
-        raise SystemExit(f"{args.e2e}: no dustin-h row at k = 512, batch {args.batch}, context {args.e2e_context}")
+    method, _, budget = args.reference.partition("@")
+    reference = (method, int(budget)) if budget.isdigit() else None
+    if reference not in times:
+        raise SystemExit(f"{args.e2e}: no {args.reference} row at batch {args.batch}, context {args.e2e_context}")
     contexts = sorted({c for c, _, _ in quality})
-    choice = {m: default_budget(times, m, args.cost_slack) for m in CURVES if (m, 512) in times}
+    default = default_choice(quality, gaps, times, contexts, reference, args.cost_limit, args.goal, args.task_goal)
     report = {"e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "quality": [str(p) for p in args.quality],
-              "batch": args.batch, "e2e_context": args.e2e_context, "cost_slack": args.cost_slack,
+              "batch": args.batch, "e2e_context": args.e2e_context, "cost_limit": args.cost_limit, "goal": args.goal,
+              "task_goal": args.task_goal,
               "round_ms": [{"method": m, "budget": k, "ms": ms} for (m, k), ms in sorted(times.items(),
                                                                                       key=lambda x: (x[0][0],
                                                                                                      x[0][1] or 0))],
               "task_mean": [{"context": c, "method": m, "budget": k, "mean": v}
                             for (c, m, k), v in sorted(quality.items(), key=lambda x: (x[0][0], x[0][1],
                                                                                        x[0][2] or 0))],
-              "default": {}}
-    for method, (k, within) in choice.items():
-        gaps = {c: quality.get((c, method, k), float("nan")) - quality[(c, "classic", None)] for c in contexts}
-        report["default"][method] = {"budget": k, "within_slack": within, "gap_to_fullkv": gaps,
-                                     "round_ms": times[(method, k)], "round_ms_512": times[(method, 512)]}
-        print(f"{method}: k = {k} is the largest within {args.cost_slack:.0%} of k = 512's round "
-              f"({times[(method, k)]:.2f} vs {times[(method, 512)]:.2f} ms); task mean vs FullKV: "
-              + ", ".join(f"{c}: {g:+.1f}" for c, g in gaps.items()))
+              "default": default}
+    for row in default["candidates"]:
+        print(f"{row['method']} k = {row['budget']}: {row['round_ms']:.2f} ms; task mean vs FullKV "
+              + ", ".join(f"{c}: {g:+.1f}" for c, g in row["gap_to_fullkv"].items())
+              + f"; worst task {row['worst_task_gap']:+.1f}" + (" (meets the goals)" if row["meets_goals"] else ""))
+    pick = default["choice"]
+    print(f"default: {pick['method']} at k = {pick['budget']} ({pick['round_ms']:.2f} ms, within "
+          f"{args.cost_limit:.0%} of {args.reference}'s {times[reference]:.2f} ms"
+          + ("" if pick["meets_goals"] else "; no candidate meets the goals, this one misses them least") + ")")
 
     import matplotlib
 
@@ -100,7 +147,7 @@ def main() -> None:
         ax.axhline(full, color="black", linestyle="--", label="FullKV (Classic SD)")
         if ("classic", None) in times:
             ax.plot([times[("classic", None)]], [full], marker="s", color="black", linestyle="none")
-        for method, style in zip((*CURVES, "oracle"), ("-o", "-o", ":^"), strict=True):
+        for method, style in zip((*CURVES, "oracle"), ("-o", "-o", "-s", "-s", "-s", ":^"), strict=True):
             clock = "dustin-h" if method == "oracle" else method
             points = sorted((k, times[(clock, k)], quality[(context, method, k)]) for (c, m, k) in quality
                             if c == context and m == method and (clock, k) in times)

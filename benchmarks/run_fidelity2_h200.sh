@@ -8,6 +8,7 @@
 #               the quality harness (4K and 8K, 60 samples per task) for every in-pass
 #               variant beside Dustin-H, Quest and SnapKV; the generalisation run (needle-new); the tau of each
 #               method on the test windows (eval_tau.py)
+#   needle-new  the generalisation run of the shipped default (after the stash calls)
 set -euo pipefail
 S=~/stash
 OUT=${OUT:-/tmp/out}
@@ -72,5 +73,19 @@ quality)
     --contexts 4096 8192 --docs 24 --batch-size 28 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 \
     || echo "eval_tau failed or timed out: see its log"
   tail -8 "$R/tau_fidelity2_h200.log"
+  ;;
+needle-new)
+  # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
+  cat "$S"/gguf.? > "$GGUF"
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
+  install
+  gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  trap 'tar czf "$OUT/needle_new_h200.tgz" -C "$R" .' EXIT
+  cd benchmarks
+  timeout 200 python3 eval_quality.py --target "$GGUF" --tasks-file "$S"/quality_tasks.json --samples 60 \
+    --batch-size 60 --m-sweep --dustin-config ../trtllm_dustin/weights/smollm2_draft/dustin.json --contexts 4096 8192 \
+    --budgets 512 1024 2048 --tasks needle-new --methods classic dustin-ip-sparse-draft dustin-ip quest snapkv \
+    --jobs 2 --out "$R/quality_needle_new_default_h200.json" 2>&1 | grep -E "finished|units in" || true
   ;;
 esac
