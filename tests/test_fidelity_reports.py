@@ -73,8 +73,8 @@ def test_frontier_picks_the_cheapest_point_that_meets_the_goals(tmp_path: Path) 
                               "--e2e", str(e2e), "--out", str(out)], check=True, capture_output=True, text=True,
                              cwd=BENCHMARKS, timeout=120).stdout
     report = json.loads(out.with_suffix(".json").read_text())
-    # ceiling 1.05 x 21.4 = 22.47 ms, so dustin-ip@2048 (22.9) is out. No candidate meets the 1-point goal: dustin-ip@1024
-    # ((79 + 58) / 2 = 68.5 against 70: -1.5) misses it least, then dustin-h@2048 (65: -5)
+    # ceiling 1.05 x 21.4 = 22.47 ms, so dustin-ip@2048 (22.9) is out. No candidate meets the 1-point goal:
+    # dustin-ip@1024 ((79 + 58) / 2 = 68.5 against 70: -1.5) misses it least, then dustin-h@2048 (65: -5)
     choice = report["default"]["choice"]
     assert (choice["method"], choice["budget"]) == ("dustin-ip", 1024) and not choice["meets_goals"]
     assert choice["gap_to_fullkv"]["4096"] == pytest.approx(68.5 - 70.0)
