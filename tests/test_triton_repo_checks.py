@@ -59,5 +59,5 @@ def test_the_default_model_takes_its_packaged_pair(tmp_path: Path, smollm2) -> N
     assert main(["triton-repo", "--out", str(tmp_path / "repo"), "--method", "dustin-h", "dustin-t-longspark",
                  "--max-seq-len", "1024"]) == 0
     config = written(tmp_path / "repo")
-    assert config.draft == "smollm2-draft" and config.dustin is not None and config.dustin.budget == 1024
+    assert config.draft == "smollm2-draft" and config.dustin is not None and config.dustin.budget == 2048
     assert config.longspark == "smollm2-longspark"

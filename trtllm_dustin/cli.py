@@ -809,8 +809,9 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         dustin.check_models(target.config, draft.config if draft is not None else None)
         if getattr(args, "budget", None) is not None:
             dustin = dustin.with_budget(args.budget)
-        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}; fingerprints match)",
-              flush=True)
+        selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
+        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}"
+              + (f"; in-pass selection layers {selection}" if selection else "") + "; fingerprints match)", flush=True)
     return draft, dustin
 
 
