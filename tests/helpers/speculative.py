@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers.models import DEVICES
 
+from helpers.models import DEVICES
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
