@@ -1,8 +1,8 @@
 """Row argmax over a vocabulary: greedy sampling and greedy acceptance.
 
-torch's argmax reduces a [16, 128256] logit block with one thread block per row (16 blocks on a 132-SM H200):
-about 25 us on the H200, six times a speculative round at batch 16 (profile at 53d7f66). Here each row is cut
-into chunks reduced in parallel (first pass), then one small program per row picks the best chunk (second pass).
+torch's argmax reduces a [16, 128256] logit block with one thread block per row (16 blocks on a 132-SM H200),
+which leaves most of the GPU idle (the measurement: benchmarks/dev/README.md). Here each row is cut into chunks
+reduced in parallel (first pass), then one small program per row picks the best chunk (second pass).
 
 Semantics are torch.argmax's on the last dim: the index of the first maximum; any NaN counts as larger than
 every number (the first NaN wins); -0.0 equals 0.0. Each element is turned into an int32 key that orders

@@ -8,9 +8,9 @@ torch op, another of ours). What overlaps is the launch and program set-up, and,
 predecessor is one of ours, its store epilogue: the full verify and the fused elementwise kernels
 call `gdc_launch_dependents` once their main loop is done (the elementwise ones right after the
 wait), which lets the next PDL launch be scheduled (it still waits in `gdc_wait` for the whole
-grid to complete). The sparse verify kernel signals only by exiting: with the early signal it
-measured slower than without PDL, without it faster (H200 runs 9 and 11). Inside a CUDA graph
-the launch attribute becomes a programmatic edge.
+grid to complete). The sparse verify kernel signals only by exiting, which measured faster on the
+H200 than the early signal (benchmarks/dev/README.md). Inside a CUDA graph the launch attribute
+becomes a programmatic edge.
 
 The ops take `pdl=` (the callers pass `KernelConfig.pdl`); a launch uses PDL when that is true and
 `pdl_supported(device)`: never on the CPU (interpreter), before sm_90, or on a Triton without the

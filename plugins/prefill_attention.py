@@ -29,7 +29,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, stride_ks, stride_vs, n0, li
     hidden and not loaded; otherwise every key of the block is visible to every row."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     col_ok = offs_n <= tl.max(limit, 0)
-    # K is loaded as its transpose [D, BLOCK_N] for the q @ K^T dot (H200: 3 % faster than rows + tl.trans)
+    # K is loaded as its transpose [D, BLOCK_N] for the q @ K^T dot (faster on the H200 than rows + tl.trans)
     if MASKED:
         kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
     else:
@@ -125,9 +125,8 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
     group = heads_q // heads_kv
-    # The chosen launch (H200, Llama-3.1-8B heads, 32K in 8K chunks, benchmarks/dev/README.md): 128 x 128 tiles,
-    # 8 warps, 3 stages, 16.95 ms per layer against 13.50 for causal flash SDPA without a cache. Small tiles in the
-    # interpreter, whose cost is per element.
+    # The chosen launch: 128 x 128 tiles, 8 warps, 3 stages, the H200 sweep's fastest at Llama-3.1-8B heads
+    # (benchmarks/dev/README.md). Small tiles in the interpreter, whose cost is per element.
     # fp32 (the tests' dtype) takes 64 x 32 tiles in 2 stages: 128 x 128 fp32 tiles exceed the shared memory.
     wide = q.element_size() <= 2
     if block_m is None:

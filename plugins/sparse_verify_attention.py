@@ -33,13 +33,12 @@ from .split_kv import (
 
 __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_counters"]
 
-# Sparse chunks are short (k = 512 keys in all): the partial outputs and the combine launch cost
-# more than extra key splits gain (H200: 1 split 23.8 us, 4 splits 39.7 us at B=16, 72B heads).
+# Sparse chunks are short (k = 512 keys in all): the partial outputs cost more than extra key splits gain.
 MIN_KEYS_PER_SPLIT = 1024
-# The chosen launch (H200 sweeps 2-19, B = 16, 32K, k = 512; what was tried, with numbers: benchmarks/dev/README.md):
-# the next index block is loaded during each gather, 64-key tiles, 3 stages, 4 warps; above 16 query rows one 64-row
-# (wgmma) tile with `lean`, because the kernel is bound by instruction issue, not DRAM; at most 16 rows a 16-row tile
-# with the new tokens folded in after the walk; PDL whose programs signal the next launch only by exiting.
+# The chosen launch (the H200 sweeps and what else was tried: benchmarks/dev/README.md): the next index block is
+# loaded during each gather, 64-key tiles, 3 stages, 4 warps; above 16 query rows one 64-row (wgmma) tile with
+# `lean`, because the kernel is bound by instruction issue, not DRAM; at most 16 rows a 16-row tile with the new
+# tokens folded in after the walk; PDL whose programs signal the next launch only by exiting.
 
 
 @triton.jit

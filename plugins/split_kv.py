@@ -38,8 +38,8 @@ LOG2E = 1.4426950408889634
 # Running-max start value: finite so that a row whose keys are all masked in a chunk gives
 # alpha = exp2(0) = 1 and p = exp2(-inf) = 0 instead of NaN from (-inf) - (-inf).
 NEG_BIG = tl.constexpr(-1.0e30)
-# A split-KV launch aims at about one program per SM. H200, L=32K: with B * H_kv = 32 / 64 / 128
-# pairs, 4 / 2 / 1 splits were fastest (136.6 / 256.5 / 482.7 us); more splits only add partials.
+# A split-KV launch aims at about one program per SM, the fastest split count in the H200 sweep
+# (benchmarks/dev/README.md); more splits only add partials.
 MAX_SPLITS = 64
 
 

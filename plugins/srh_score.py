@@ -32,8 +32,8 @@ __all__ = ["srh_score", "srh_score_forward"]
 
 MAX_GROUPS_PER_LAUNCH = 8  # 8 bits per group in an int64
 MIN_KEYS_PER_SPLIT = 1024  # first pass (log-denominators) only
-# First pass: one group per program and no V, so it wants more programs than the attention kernels.
-# H200, B=16, L=32K, 4 groups: 9 splits (576 programs) 145 us; 2 splits (128 programs) 226 us.
+# First pass: one group per program and no V, so it wants more programs than the attention kernels
+# (4 per SM measured fastest on the H200: benchmarks/dev/README.md).
 LSE_PROGRAMS_PER_SM = 4
 # Without lse the denominator pass also stores the selected rows' scores (fp32 [B, T, columns, S_max]:
 # 8.4 MB for the target's 1 query x 4 heads at B=16, 32K) so the probabilities need no second read of
@@ -226,7 +226,7 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
     qk_scale_log2 = softmax_scale * LOG2E
     mode = dot_mode(q.dtype)
     gdc = gdc_args(pdl and pdl_supported(q.device))
-    if block_n is None:  # H200 sweep: 64 keys at D=128 (137.8 us), 128 at D=64 (44.8 us vs 48.6 at 256)
+    if block_n is None:  # the H200 sweep's fastest: 64 keys at D = 128, 128 at D = 64 (benchmarks/dev/README.md)
         block_n = 64 if head_dim * q.element_size() >= 256 else 128
     for first in range(0, len(groups), MAX_GROUPS_PER_LAUNCH):
         chunk = groups[first:first + MAX_GROUPS_PER_LAUNCH]

@@ -17,9 +17,9 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 
 __all__ = ["PrefillJob", "prefill", "prefill_chunk_for", "slot_range"]
 
-# Rows one prefill forward takes at most over the whole batch (H200, Llama-3.1-8B / Qwen2.5-7B shapes,
-# benchmarks/results/prefill/: 8K tokens per sequence at batch 1 and 4 ran at 1.16-1.26x the attention + GEMM bound,
-# 2K at batch 1 at 1.25-1.31x); a 32K-row chunk's FFN activations take about 2 GB at Llama-3.1-8B's width.
+# Rows one prefill forward takes at most over the whole batch: 8K tokens per sequence ran closer to the attention +
+# GEMM bound than 2K on the H200 (benchmarks/dev/README.md); a 32K-row chunk's FFN activations take about 2 GB at
+# Llama-3.1-8B's width.
 CHUNK_ROWS = 32768
 MAX_CHUNK = 8192
 

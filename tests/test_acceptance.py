@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from test_sampling import chi_square_p_value
+from helpers.stats import chi_square_p_value
 
 from trtllm_dustin.runtime.acceptors import greedy_accept, rejection_accept
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling

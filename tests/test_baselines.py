@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
+from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata
 from trtllm_dustin.config import ConfigError

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_speculative import DTYPE, GAMMA, PROMPTS, S_MAX
+from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache

@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from conftest import vanilla_decoder
+from helpers.models import vanilla_decoder
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import _early_generate_args, main

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from kernel_common import HAS_CUDA, needs_cuda
+from helpers.kernels import HAS_CUDA, needs_cuda
 
 from trtllm_dustin.build_engines.tune import (
     MIN_SPEEDUP,

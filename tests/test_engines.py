@@ -8,29 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.engines import DRAFT, DUSTIN, LIMITS, TARGET, build
 
 from trtllm_dustin.build_engines import engine as engine_module
 from trtllm_dustin.build_engines.engine import (
     EngineError,
     EngineLimits,
     EngineManifest,
-    build_engine,
     engine_tactics,
     layer_split,
     open_engine,
 )
 from trtllm_dustin.cli import main
-from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
-
-TARGET, DRAFT = "preset:tiny-llama", "preset:tiny-llama-draft"
-LIMITS = EngineLimits(max_batch=2, max_seq_len=96, gamma=3, dtype="float32")
-DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(0, (1,)),), budget=24, m=4,
-                      n_sink=4, n_recent=8, gamma=3)
-
-
-def build(out: Path, **changes) -> Path:
-    kwargs = dict(target=TARGET, draft=DRAFT, longspark="random", dustin=DUSTIN, limits=LIMITS, seed=3, log=None)
-    return build_engine(out, **(kwargs | changes))
+from trtllm_dustin.dustin_config import DustinConfig
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_hf_model
+from helpers.models import tiny_hf_model
 
 from trtllm_dustin.cli import main
 from trtllm_dustin.config import ConfigError, ModelConfig

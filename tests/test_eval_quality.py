@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_speculative import DTYPE, dustin_config
+from helpers.speculative import DTYPE, dustin_config
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.data import CorpusNotInstalledError, split_of

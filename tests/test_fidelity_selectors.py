@@ -17,9 +17,9 @@ import math
 from dataclasses import replace
 
 import pytest
-import test_speculative
 import torch
-from test_speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, run
+from helpers import speculative
+from helpers.speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.dustin_config import LayerHeads
@@ -34,7 +34,7 @@ from trtllm_dustin.runtime.selectors.oracle import attention_mass, top_k_set
 from trtllm_dustin.runtime.state import Observation
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
-env, vanilla_tokens = test_speculative.env, test_speculative.vanilla_tokens  # its module-scoped fixtures
+env, vanilla_tokens = speculative.env, speculative.vanilla_tokens  # its module-scoped fixtures
 
 
 # ---- attention mass and top-k ----------------------------------------------------------------------------------------

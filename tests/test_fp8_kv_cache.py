@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend  # noqa: E402
 from trtllm_dustin.config import ModelConfig  # noqa: E402

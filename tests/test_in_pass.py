@@ -17,9 +17,9 @@ import math
 from dataclasses import replace
 
 import pytest
-import test_speculative
 import torch
-from test_speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
+from helpers import speculative
+from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
@@ -31,7 +31,7 @@ from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings
 from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, SearchTraces, search_selection_layers
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
-env, vanilla_tokens = test_speculative.env, test_speculative.vanilla_tokens  # its module-scoped fixtures
+env, vanilla_tokens = speculative.env, speculative.vanilla_tokens  # the shared module-scoped fixtures
 IN_PASS = ("dustin-ip", "dustin-ip-pages", "dustin-ip-la", "dustin-ip-dense", "dustin-ip-sparse-draft")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_common import DEVICE, needs_kernel, write_tactics
+from helpers.kernels import DEVICE, needs_kernel, write_tactics
 
 from trtllm_dustin.plugins.kernel_config import ENV_SWITCHES, KernelConfig
 from trtllm_dustin.plugins.linear_tactics import PACKAGED_LINEAR_TACTICS, LinearConfig, LinearTactic, LinearTactics

@@ -6,7 +6,7 @@ CPU: the fused kernels run under TRITON_INTERPRET=1 (tests/conftest.py); on a GP
 
 import pytest
 import torch
-from kernel_common import DEVICE, needs_kernel
+from helpers.kernels import DEVICE, needs_kernel
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.kv_cache import KVCache
@@ -63,7 +63,7 @@ def test_fused_forward_equals_the_module_code(preset: str, with_index: bool) -> 
 
 def test_fused_greedy_generation_equals_the_module_code() -> None:
     """Dustin-H end to end (draft, SRH scoring on captured queries, sparse verify) gives the same tokens."""
-    from test_speculative import dustin_config
+    from helpers.speculative import dustin_config
 
     target = load_model("preset:tiny-llama", device=DEVICE, dtype=torch.float32, seed=7).model
     draft = load_model("preset:tiny-llama-draft", device=DEVICE, dtype=torch.float32, seed=8).model

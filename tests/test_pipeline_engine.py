@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engines import DUSTIN, LIMITS, build
-from test_pipeline import free_port, rank_env
+from helpers.engines import DUSTIN, LIMITS, build
+from helpers.pipeline import free_port, rank_env
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.build_engines.engine import EngineError, open_engine

@@ -1,6 +1,6 @@
 """Pipeline faults end every rank in bounded time with one clear error: a rank killed mid-run, a rank that raises, a
 rank that hangs (the process-group timeout), and ranks that disagree at start. The ranks are plain processes
-(test_pipeline.launch), so nothing but the pipeline's own handling stops them."""
+(helpers.pipeline.launch), so nothing but the pipeline's own handling stops them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from itertools import count
 from pathlib import Path
 
 import pytest
-from test_pipeline import CONFIGS, PROMPTS, launch, models, pipeline_decoder
+from helpers.pipeline import CONFIGS, PROMPTS, launch, models, pipeline_decoder
 
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 

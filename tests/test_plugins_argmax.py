@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins.argmax import CHUNK, MAX_CHUNKS, argmax_last  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins.commit import commit_round, commit_round_ref  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.models.decoder import RMSNorm  # noqa: E402
 from trtllm_dustin.models.rope import apply_rope  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import needs_cuda, needs_interpreter  # noqa: E402
+from helpers.kernels import needs_cuda, needs_interpreter  # noqa: E402
 
 from trtllm_dustin.plugins import pdl  # noqa: E402
 from trtllm_dustin.plugins.fused_ops import rope_qkv_to_cache, rope_qkv_to_cache_ref  # noqa: E402

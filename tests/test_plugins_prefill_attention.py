@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import prefill_attention  # noqa: E402
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype  # noqa: E402

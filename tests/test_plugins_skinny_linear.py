@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_cuda, needs_kernel, write_tactics  # noqa: E402
+from helpers.kernels import DEVICE, needs_cuda, needs_kernel, write_tactics  # noqa: E402
 
 from trtllm_dustin.plugins.kernel_config import KernelConfig  # noqa: E402
 from trtllm_dustin.plugins.linear_tactics import LinearConfig  # noqa: E402

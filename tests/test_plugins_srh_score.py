@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import srh_score, verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import srh_score_ref  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_common import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
 
 from trtllm_dustin.plugins import verify_attention  # noqa: E402
 from trtllm_dustin.plugins.reference import verify_attention_ref  # noqa: E402

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from helpers.stats import chi_square_p_value
 
 from trtllm_dustin.runtime.acceptors import RejectionAcceptor, rejection_accept
 from trtllm_dustin.runtime.drafter import Proposal
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling, sampling_probs
 
 CPU = torch.device("cpu")
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Upper tail of the chi-square statistic (Wilson-Hilferty normal approximation, fine for dof >= 3)."""
-    n = counts.sum()
-    keep = probs > 0
-    expected = probs[keep] * n
-    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])

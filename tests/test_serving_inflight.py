@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_common import (
+from helpers.serving import (
     DUSTIN,
     EOS,
     MAX_SEQ_LEN,

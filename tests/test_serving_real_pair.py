@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_common import reference_kernels
+from helpers.serving import reference_kernels
 
 from trtllm_dustin.cli import main
 from trtllm_dustin.runtime.generation import GenerationConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_common import MAX_SEQ_LEN, SERVED, direct_text, prompt_text, reference_kernels
+from helpers.serving import MAX_SEQ_LEN, SERVED, direct_text, prompt_text, reference_kernels
 
 if importlib.util.find_spec("pytriton") is None:  # found, not imported: only its tritonserver files are used
     pytest.skip("nvidia-pytriton (the tritonserver binary) is not installed", allow_module_level=True)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import vanilla_decoder
+from helpers.models import vanilla_decoder
 
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
