@@ -229,6 +229,7 @@ class Decoder:
         t1 = time.perf_counter()
 
         clock = _RoundClock(device)
+        finished = _FinishCheck(device, config.sync_every)
         decoding = torch.zeros((), dtype=torch.long, device=device)  # rounds that began with a sequence active
         rounds = 0
         if bool(progress.active.any()):
@@ -236,8 +237,7 @@ class Decoder:
                 decoding += progress.active.any()  # on the device: no sync
                 self.round(progress, sampling, timer=timer)
                 clock.tick()
-                # The one host sync of the loop, every sync_every rounds: stop once every sequence has finished.
-                if rounds % config.sync_every == 0 and not bool(progress.active.any()):
+                if finished(progress.active, rounds):
                     break
         _sync(device)
         t2 = time.perf_counter()
@@ -248,6 +248,37 @@ class Decoder:
                                 rounds=rounds, decoding_rounds=decoding_rounds,
                                 decoding_ms=round_ms[decoding_rounds - 1] if decoding_rounds else 0.0,
                                 round_ms=round_ms, committed_hist=progress.hist.tolist(), phase_ms=timer.totals_ms())
+
+
+class _FinishCheck:
+    """Whether every sequence has finished after a round, asked once per round without stalling the device.
+
+    On the CPU the round's ops have already run when the host asks, so reading the flag costs nothing: the loop stops
+    right after the last decoding round. On the GPU the host runs ahead of the device: each round's flag is copied
+    asynchronously into pinned host memory behind an event, and the loop stops at the first round whose copy has
+    landed saying "all finished" (polled with `Event.query()`, which never waits); every `sync_every` rounds the host
+    waits for the newest flag (the loop's one host sync), which bounds the idle rounds a slow copy can leave."""
+
+    def __init__(self, device: torch.device, sync_every: int) -> None:
+        self.cuda, self.sync_every = device.type == "cuda", sync_every
+        if self.cuda:
+            self.flags = torch.ones(sync_every, dtype=torch.bool, pin_memory=True)  # [r % sync_every]: any active
+            self.events = [torch.cuda.Event() for _ in range(sync_every)]
+            self.pending: list[int] = []  # ring slots whose copy was queued and not read yet, oldest first
+
+    def __call__(self, active: torch.Tensor, rounds: int) -> bool:
+        if not self.cuda:
+            return not bool(active.any())  # a CPU tensor: a host read, not a device sync
+        slot = rounds % self.sync_every
+        self.flags[slot].copy_(active.any(), non_blocking=True)
+        self.events[slot].record()
+        self.pending.append(slot)
+        if rounds % self.sync_every == 0:
+            self.events[slot].synchronize()  # every sync_every rounds: the loop's one blocking read
+        while self.pending and self.events[self.pending[0]].query():
+            if not bool(self.flags[self.pending.pop(0)]):  # landed in host memory: reading it does not sync
+                return True
+        return False
 
 
 class _RoundClock:

@@ -583,11 +583,13 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
     steps = "rounds" if speculative else "steps"
     print(f"model {source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
           f"prompt {prompt_tokens} tokens, generated {result.generated} tokens")
-    print(f"time to first token {result.prefill_ms:.1f} ms (prefill), then {result.setup_ms:.1f} ms of one-time "
-          "setup (CUDA-graph capture, kernel warm-up)")
-    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s "
-          f"({result.decoding_rounds} decoding {steps} in {result.decoding_ms:.1f} ms; {result.rounds} {steps} run in "
-          f"{result.decode_ms:.1f} ms, the idle ones until the finished-check included)")
+    setup = "" if device.type != "cuda" else \
+        f", then {result.setup_ms:.1f} ms of one-time setup (CUDA-graph capture, kernel warm-up)"
+    print(f"time to first token {result.prefill_ms:.1f} ms (prefill){setup}")
+    idle = result.rounds - result.decoding_rounds  # GPU only: rounds until the finished flag reached the host
+    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
+          f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the host, "
+                                             f"{result.decode_ms:.1f} ms in all)" if idle else ")"))
     if speculative:
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
