@@ -33,8 +33,8 @@ from typing import Any
 from trtllm_dustin.config import ConfigError
 
 __all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "InputError", "MethodFacts", "Range", "Terms",
-           "check_budget", "check_fields", "check_options", "check_request_length", "check_value", "method_facts",
-           "read_json_object", "sparse_gather_bytes"]
+           "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
+           "check_value", "method_facts", "read_json_object", "sparse_gather_bytes"]
 
 MAX_VERIFY_TOKENS = 16  # query tokens per sequence the decode kernels take (plugins/checks.py MAX_QUERY_TOKENS)
 MAX_GAMMA = MAX_VERIFY_TOKENS - 1  # a round verifies gamma + 1 tokens: the last committed one and gamma drafts
@@ -153,6 +153,19 @@ def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> No
     for field, value in values.items():
         if field in RANGES and value is not None:
             check_value(field, value, terms)
+
+
+def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
+    """`generate`'s options on their own, before any model is opened: what the method takes, the prompt file, then
+    every range. facts: method_facts() (None: the method-specific checks wait for the registry)."""
+    method = facts.get(args.method) if facts else None
+    if method is not None and args.budget is not None and not method.sparse:
+        sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
+        raise InputError(f"--budget {args.budget}: --method {args.method} verifies against the whole cache and has "
+                         f"no budget k; drop --budget, or choose a sparse method ({sparse})")
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        raise InputError(f"--prompt-file {args.prompt_file} does not exist; pass a text file")
+    check_options(args)
 
 
 def check_request_length(prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int,
