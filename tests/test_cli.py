@@ -48,12 +48,23 @@ def test_the_first_line_needs_no_torch() -> None:
     (["generate", "--model=preset:tiny-qwen", "--max-new-tokens", "3", "--dtype", "bfloat16"],
      ("preset:tiny-qwen", None, "bfloat16")),
     (["generate", "--prompt", "hi", "--device", "cuda:1"], (None, "cuda:1", None)),
-    (["generate", "--dev", "cuda"], None),  # an abbreviation: the full parser decides what it means
-    (["generate", "--dtype", "int8"], None),  # a bad value: the full parser reports it
+    (["generate", "--dev", "cuda"], (None, "cuda", None)),  # an abbreviation, read as the full parser reads it
     (["generate", "--help"], None), (["srh", "--model", "x"], None)])
 def test_early_arguments(argv: list[str], expected: tuple | None) -> None:
     args = _early_generate_args(argv)
     assert (args if args is None else (args.model, args.device, args.dtype)) == expected
+
+
+def test_a_bad_value_is_refused_before_the_first_line(capsys) -> None:
+    """argparse's refusal, in one line, before anything is printed or imported (tests/test_bad_input.py has the
+    rest)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--dtype", "int8"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "trtllm-dustin generate: error: argument --dtype: invalid choice: 'int8' (choose from 'bfloat16', 'float16', "
+        "'float32'); see `trtllm-dustin generate --help`\n")
 
 
 def test_eos_stops_a_sequence_and_others_continue() -> None:
@@ -140,7 +151,7 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60,
                  m=20).save(config)
     run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", "dustin-h",
-           "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4"]
+           "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4", "--max-seq-len", "128"]
     assert main(run + ["--budget", "100"]) == 0
     assert "(budget k 100, m 40;" in capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
     assert main(run + ["--budget", "20"]) == 2

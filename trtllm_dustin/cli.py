@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from trtllm_dustin.validation import (
     MAX_GAMMA,
@@ -49,6 +49,14 @@ def _method_list() -> str:
     from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 
     return "; ".join(f"{name}: {METHODS[name].about}" for name in OFFERED_METHODS)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown choice, a value that is no number, a missing option) in one line that
+    says where the rest is, instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
@@ -144,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         srh_command,
     )
 
-    parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)",
                          formatter_class=_DefaultsHelp)
@@ -403,7 +411,7 @@ def _early_generate_args(argv: list[str]) -> argparse.Namespace | None:
     if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv):
         return None
     facts = method_facts()
-    parser = argparse.ArgumentParser(prog="trtllm-dustin generate")
+    parser = _Parser(prog="trtllm-dustin generate")
     _add_generate_arguments(parser, None if facts is None else [n for n, f in facts.items() if f.offered], None)
     args = parser.parse_args(argv[1:])
     check_generate_options(args, facts)

@@ -5,7 +5,7 @@ it prints what it loads. Every message is one line naming the value, the limit a
 sent it: `--top-p 2.0` on the command line, `top_p=2.0` in a request (`Terms`).
 
     check_options(args)          every numeric option of every subcommand, against RANGES (finite, in range)
-    check_request_length(...)    prompt + max_tokens (+ gamma) against the cache, in a request's terms
+    check_request_length(...)    a request's prompt + max_tokens (+ gamma) against the cache, in its terms
     check_budget(...)            a sparse method's k against the cache it reads
     sparse_gather_bytes(...)     the memory a sparse verification gathers at k (the CPU path's)
     read_json_object(...)        a config file: valid JSON, an object, its fields those of the dataclass it fills
@@ -168,24 +168,20 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
     check_options(args)
 
 
-def check_request_length(prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int,
-                         terms: Terms = HTTP, prompt: str = "the prompt") -> None:
-    """A sequence's cache positions: its prompt, the tokens it generates and the `lookahead` positions a speculative
-    round writes past them (gamma) must fit the cache's `max_seq_len`."""
+def check_request_length(field: str, prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int) -> None:
+    """A request's cache positions, in its own terms: its prompt (`field`: text_input or input_ids), the tokens it
+    asks for and the `lookahead` positions a speculative round writes past them (gamma) must fit the model's
+    `max_seq_len` positions (the repository's limit, which the client cannot change)."""
     if prompt_tokens < 1:
-        raise InputError(f"{prompt} is empty; {terms.verb} at least one token")
+        raise InputError(f"{field} is empty; send at least one token")
+    reserved = f", {lookahead} of them kept free for a round's draft tokens" if lookahead else ""
     room = max_seq_len - prompt_tokens - lookahead
-    extra = f" + {lookahead} lookahead positions (gamma)" if lookahead else ""
-    context = "the KV cache's" if terms.cli else "this model's"
-    limit = "--max-seq-len" if terms.cli else "the repository's --max-seq-len"
     if room < 1:
-        raise InputError(f"{prompt} ({prompt_tokens} tokens){extra} leaves no room for a new token in {context} "
-                         f"{max_seq_len} positions ({limit}); {terms.verb} at most {max_seq_len - lookahead - 1} "
-                         "prompt tokens")
+        raise InputError(f"{field} is {prompt_tokens} tokens long, and this model holds {max_seq_len} positions per "
+                         f"request{reserved}; send a prompt of at most {max_seq_len - lookahead - 1} tokens")
     if max_tokens > room:
-        raise InputError(f"{terms.shown('max_tokens' if not terms.cli else 'max_new_tokens', max_tokens)} does not "
-                         f"fit: {prompt} ({prompt_tokens} tokens) + it{extra} exceed {context} {max_seq_len} "
-                         f"positions ({limit}); {terms.verb} at most {room}, or a shorter prompt")
+        raise InputError(f"max_tokens={max_tokens} does not fit: this model holds {max_seq_len} positions per "
+                         f"request{reserved}, and {field} takes {prompt_tokens}; send max_tokens <= {room}")
 
 
 def check_budget(budget: int, max_seq_len: int, terms: Terms = CLI) -> None:
