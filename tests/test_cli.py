@@ -158,3 +158,15 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     captured = capsys.readouterr()
     assert "--budget 20 must exceed sinks + recent window = 20; raise it" in captured.err
     assert "weights loaded" not in captured.out
+
+
+@pytest.mark.parametrize("method, extra, line", [
+    ("quest", [], "quest: budget k 512 (--draft-budget, without a Dustin config)"),
+    ("snapkv", ["--budget", "40"], "snapkv: budget k 40 (--budget)"),
+    ("streamingllm", ["--draft-budget", "24"], "streamingllm: budget k 24 (--draft-budget, without a Dustin config)"),
+])
+def test_the_baselines_say_their_budget(capsys, plugin_references, method: str, extra: list[str], line: str) -> None:
+    """As Dustin's config line does: the k each sparse baseline verifies with, and where it came from."""
+    assert main(["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", method,
+                 "--prompt-tokens", "40", "--max-new-tokens", "4", *extra]) == 0
+    assert line in capsys.readouterr().out.splitlines()

@@ -64,16 +64,27 @@ class _DefaultsHelp(argparse.HelpFormatter):
     of None is explained there), and an option without help gets its default as its help; flags are off."""
 
     def _format_action(self, action: argparse.Action) -> str:
-        if not action.help and action.option_strings and action.nargs != 0:
+        if not action.help and self._shows_default(action):
             action = copy.copy(action)
-            action.help = "default: %(default)s"
+            action.help = f"default: {_typed(action.default)}"
         return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.nargs == 0 or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
+        return f"{text} (default: {_typed(action.default)})" if "default" not in text and \
+            self._shows_default(action) else text
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.nargs != 0 and not action.required and \
+            action.default is not argparse.SUPPRESS
+
+
+def _typed(default: object) -> str:
+    """A default as it is typed on the command line (a list: its values), escaped for argparse's %-expansion."""
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default))
+    return '""' if default == "" else str(default).replace("%", "%%")
 
 
 def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str] | None,
@@ -168,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "None: no draft")
     build.add_argument("--longspark", default=None, help="LongSpark drafter directory, smollm2-longspark (packaged) "
                        "or random; None: none")
-    build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair")
+    build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair; "
+                       "None: none (the engine then serves no dustin method)")
     build.add_argument("--max-batch", type=int, default=16, help="batch slots the engine serves")
     build.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length per slot")
     build.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
@@ -222,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
     repo.add_argument("--engine", type=Path, default=None, help="serve an engine directory from `trtllm-dustin "
                       "build` (its models, Dustin config, LongSpark drafter, dtype and tactics; stored as an absolute "
-                      "path)")
+                      "path); None: the models named by the options above")
     repo.set_defaults(func=_triton_repo)
 
     serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
@@ -268,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output rows of a layer-subset draft: the most frequent train ids (0: whole vocabulary)")
     train.add_argument("--draft-shape", default="smollm2-draft-random", help="preset shape of a from-scratch draft")
     train.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
-    train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                       "None: at --steps")
     train.set_defaults(func=_train_draft)
 
     from trtllm_dustin.training.longspark import LongSparkTrainConfig
@@ -293,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
     spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
     spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
-    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                       "None: at --steps")
     spark.set_defaults(func=_train_longspark)
     return parser
 
@@ -442,6 +456,9 @@ def _build(args: argparse.Namespace) -> int:
     from trtllm_dustin.dustin_config import DustinConfig
 
     if args.budget is not None:
+        if args.dustin_config is None:
+            raise InputError(f"--budget {args.budget} sets the k of a Dustin config, and none is given; pass "
+                             "--dustin-config FILE, or drop --budget")
         check_budget(args.budget, args.max_seq_len)
     limits = EngineLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, gamma=args.gamma,
                           budget=args.budget, dtype=args.dtype, draft_kv_cache=args.draft_kv_cache)
