@@ -117,7 +117,8 @@ _SEED = Range(0, MAX_SEED)
 # float option of the parser is missing here.
 RANGES: dict[str, Range] = {
     # generate, build, triton-repo
-    "batch_size": _POSITIVE, "max_new_tokens": _POSITIVE, "max_tokens": _POSITIVE, "max_seq_len": _POSITIVE,
+    "batch_size": _POSITIVE, "max_new_tokens": _POSITIVE, "max_seq_len": _POSITIVE,
+    "max_tokens": Range(1, 2**31 - 1, why="an INT32: Triton wraps a JSON number past 2147483647 around"),
     "prompt_tokens": _POSITIVE, "max_batch": _POSITIVE, "queue_size": _POSITIVE, "pp_size": _POSITIVE,
     "micro_batches": _POSITIVE, "pp_timeout": _SECONDS,
     "temperature": Range(0, real=True, why="0: greedy"),

@@ -39,6 +39,9 @@ INPUTS: dict[str, tuple[str, list[int], bool]] = {
     "method": ("TYPE_STRING", [1], True),
     "stream": ("TYPE_BOOL", [1], True),
 }
+# Request parameters Triton reserves for itself (besides every name starting with "triton_"), Triton's parameters
+# extension: passed through, never refused as unknown fields.
+_TRITON_PARAMETERS = ("sequence_id", "priority", "timeout", "sequence_start", "sequence_end", "headers")
 # name -> (Triton type, numpy type, dims, RequestStats attribute or None for the text)
 OUTPUTS: dict[str, tuple[str, Any, list[int], str | None]] = {
     "text_output": ("TYPE_STRING", np.object_, [-1], None),
@@ -163,6 +166,13 @@ def _parse(request: Any, pb_utils: Any) -> Any:
     from trtllm_dustin.serving.engine import GenerationRequest, RequestError
     from trtllm_dustin.validation import HTTP, InputError, check_value
 
+    # The generate endpoints hand every JSON key that names no input on as a request parameter: refused here, so that
+    # a misspelt field ("tempreature") is not silently ignored. Triton's own parameters are reserved names.
+    unknown = [name for name in json.loads(request.parameters() or "{}")
+               if name not in _TRITON_PARAMETERS and not name.startswith("triton_")]
+    if unknown:
+        raise RequestError(f"{unknown[0]!r} is not a field of this model's requests; send only "
+                           f"{', '.join(INPUTS)}")
     text = _scalar(request, pb_utils, "text_input")
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     max_tokens = _scalar(request, pb_utils, "max_tokens")
