@@ -136,8 +136,9 @@ class Decoder:
         with phase("draft"):
             proposal = self.drafter.propose(self.state, sampling)  # tokens [B, Γ]
         indices = self._select(phase)  # sparse verification: what the target reads this round (None: all)
+        rows = self._busy_rows(progress)
         with phase("verify"):
-            logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))  # [B, Γ+1, V]
+            logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices, rows))  # [B, Γ+1, V]
         with phase("accept"):
             acceptor = acceptor or (self._greedy if sampling.all_greedy else self._rejection)
             verdict = acceptor.accept(proposal, logits, progress, sampling)
@@ -166,14 +167,44 @@ class Decoder:
         with phase("select"):
             return self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
 
-    def _verify(self, draft_tokens: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    def _busy_rows(self, progress: Progress) -> slice | None:
+        """The slots the CPU verifies: from the first to the last one still generating. Idle slots' outputs are
+        discarded, and on the CPU each row costs: a projection of 8 rows takes 4-5 times one row's time (a GEMV reads
+        the weights once; a small GEMM computes). None on the GPU, whose captured phases keep every slot (and where
+        reading `active` would be a host sync)."""
+        if self.device.type != "cpu":
+            return None
+        busy = progress.active.nonzero()  # a CPU tensor: a host read, no device sync
+        return slice(int(busy[0]), int(busy[-1]) + 1) if busy.numel() else None
+
+    def _verify(self, draft_tokens: torch.Tensor, indices: torch.Tensor | None, rows: slice | None = None
+                ) -> torch.Tensor:
+        """The target over each slot's Γ+1 tokens (the last committed one and the drafts) -> logits [B, Γ+1, V];
+        with `rows` (the CPU) over those slots only, reading each cache up to its longest sequence, the other slots'
+        logits zero (they are idle: their verdicts are never committed)."""
         self.verify_tokens[:, 0] = self.state.cur
         self.verify_tokens[:, 1:] = draft_tokens
         layered = indices is not None and self._per_layer_sets
-        meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=None if layered else indices,
+        in_pass = None if indices is None else self.selector.in_pass
+        if rows is None:
+            meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=None if layered else indices,
+                                     layer_indices=indices if layered else None, in_pass=in_pass)
+            logits = self.target(self.verify_tokens, self.cache, meta, self.backend, capture=self._capture)
+            return self.shared_logits(logits)  # [B, Γ+1, V]
+        lengths = self.state.lengths[rows]
+        if indices is not None:
+            indices = indices[:, rows] if layered else indices[rows]
+        meta = AttentionMetadata(cache_seqlens=lengths, indices=None if layered else indices,
                                  layer_indices=indices if layered else None,
-                                 in_pass=None if indices is None else self.selector.in_pass)
-        logits = self.target(self.verify_tokens, self.cache, meta, self.backend, capture=self._capture)  # [B, Γ+1, V]
+                                 max_kv_len=int(lengths.max()) + self.gamma + 1,
+                                 in_pass=None if in_pass is None else in_pass.rows(rows))
+        capture = None if self._capture is None else QueryCapture(
+            self._capture.layers, {layer: q[rows] for layer, q in self._capture.queries.items()},
+            {layer: h[rows] for layer, h in self._capture.hidden.items()})  # views: the writes land in the buffers
+        part = self.target(self.verify_tokens[rows], slot_range(self.cache, rows), meta, self.backend,
+                           capture=capture)  # [n, Γ+1, V]
+        logits = part.new_zeros((self.cache.batch_slots, *part.shape[1:]))
+        logits[rows] = part
         return self.shared_logits(logits)
 
     def shared_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -230,6 +261,7 @@ class Decoder:
         t1 = time.perf_counter()
 
         clock = _RoundClock(device)
+        finished = _FinishCheck(device, config.sync_every)
         decoding = torch.zeros((), dtype=torch.long, device=device)  # rounds that began with a sequence active
         rounds = 0
         if bool(progress.active.any()):
@@ -237,8 +269,7 @@ class Decoder:
                 decoding += progress.active.any()  # on the device: no sync
                 self.round(progress, sampling, timer=timer)
                 clock.tick()
-                # The one host sync of the loop, every sync_every rounds: stop once every sequence has finished.
-                if rounds % config.sync_every == 0 and not bool(progress.active.any()):
+                if finished(progress.active, rounds):
                     break
         _sync(device)
         t2 = time.perf_counter()
@@ -249,6 +280,37 @@ class Decoder:
                                 rounds=rounds, decoding_rounds=decoding_rounds,
                                 decoding_ms=round_ms[decoding_rounds - 1] if decoding_rounds else 0.0,
                                 round_ms=round_ms, committed_hist=progress.hist.tolist(), phase_ms=timer.totals_ms())
+
+
+class _FinishCheck:
+    """Whether every sequence has finished after a round, asked once per round without stalling the device.
+
+    On the CPU the round's ops have already run when the host asks, so reading the flag costs nothing: the loop stops
+    right after the last decoding round. On the GPU the host runs ahead of the device: each round's flag is copied
+    asynchronously into pinned host memory behind an event, and the loop stops at the first round whose copy has
+    landed saying "all finished" (polled with `Event.query()`, which never waits); every `sync_every` rounds the host
+    waits for the newest flag (the loop's one host sync), which bounds the idle rounds a slow copy can leave."""
+
+    def __init__(self, device: torch.device, sync_every: int) -> None:
+        self.cuda, self.sync_every = device.type == "cuda", sync_every
+        if self.cuda:
+            self.flags = torch.ones(sync_every, dtype=torch.bool, pin_memory=True)  # [r % sync_every]: any active
+            self.events = [torch.cuda.Event() for _ in range(sync_every)]
+            self.pending: list[int] = []  # ring slots whose copy was queued and not read yet, oldest first
+
+    def __call__(self, active: torch.Tensor, rounds: int) -> bool:
+        if not self.cuda:
+            return not bool(active.any())  # a CPU tensor: a host read, not a device sync
+        slot = rounds % self.sync_every
+        self.flags[slot].copy_(active.any(), non_blocking=True)
+        self.events[slot].record()
+        self.pending.append(slot)
+        if rounds % self.sync_every == 0:
+            self.events[slot].synchronize()  # every sync_every rounds: the loop's one blocking read
+        while self.pending and self.events[self.pending[0]].query():
+            if not bool(self.flags[self.pending.pop(0)]):  # landed in host memory: reading it does not sync
+                return True
+        return False
 
 
 class _RoundClock:

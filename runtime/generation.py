@@ -19,7 +19,9 @@ class GenerationConfig:
     # prompt tokens per sequence per prefill forward (bounds activation memory on long prompts); None: the measured
     # choice for the batch, runtime/prefill.py prefill_chunk_for
     prefill_chunk: int | None = None
-    sync_every: int = 16  # rounds between host checks of "all sequences finished"
+    # GPU: rounds between the host's blocking reads of "all sequences finished" (between them the flag is read as its
+    # asynchronous copy lands, runtime/decoder.py _FinishCheck); the CPU reads it after every round, at no cost
+    sync_every: int = 16
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -35,7 +37,7 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per sequence, EOS included when it was emitted
     prefill_ms: float  # until every sequence has its first token (the time to first token)
     setup_ms: float  # CUDA-graph capture and kernel warm-up after it, before the first round (0 on the CPU)
-    decode_ms: float  # every round run, the idle ones after the last sequence finished included (see sync_every)
+    decode_ms: float  # every round run, any idle ones after the last sequence finished included (GPU: sync_every)
     rounds: int  # rounds run (vanilla: decode steps)
     decoding_rounds: int  # rounds in which at least one sequence was still generating (the first `decoding_rounds`)
     decoding_ms: float  # from the decode start to the end of the last decoding round

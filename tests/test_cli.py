@@ -48,12 +48,23 @@ def test_the_first_line_needs_no_torch() -> None:
     (["generate", "--model=preset:tiny-qwen", "--max-new-tokens", "3", "--dtype", "bfloat16"],
      ("preset:tiny-qwen", None, "bfloat16")),
     (["generate", "--prompt", "hi", "--device", "cuda:1"], (None, "cuda:1", None)),
-    (["generate", "--dev", "cuda"], None),  # an abbreviation: the full parser decides what it means
-    (["generate", "--dtype", "int8"], None),  # a bad value: the full parser reports it
+    (["generate", "--dev", "cuda"], (None, "cuda", None)),  # an abbreviation, read as the full parser reads it
     (["generate", "--help"], None), (["srh", "--model", "x"], None)])
 def test_early_arguments(argv: list[str], expected: tuple | None) -> None:
     args = _early_generate_args(argv)
     assert (args if args is None else (args.model, args.device, args.dtype)) == expected
+
+
+def test_a_bad_value_is_refused_before_the_first_line(capsys) -> None:
+    """argparse's refusal, in one line, before anything is printed or imported (tests/test_bad_input.py has the
+    rest)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--dtype", "int8"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "trtllm-dustin generate: error: argument --dtype: invalid choice: 'int8' (choose from 'bfloat16', 'float16', "
+        "'float32'); see `trtllm-dustin generate --help`\n")
 
 
 def test_eos_stops_a_sequence_and_others_continue() -> None:
@@ -75,16 +86,16 @@ def test_eos_stops_a_sequence_and_others_continue() -> None:
 
 def assert_rate_over_decoding_rounds(result: GenerationResult, decoding_rounds: int) -> None:
     """The reference: the per-round timestamps, the last decoding round's end, the tokens after each first."""
-    assert result.decoding_rounds == decoding_rounds < result.rounds == len(result.round_ms)
+    assert result.decoding_rounds == decoding_rounds <= result.rounds == len(result.round_ms)
     assert all(a < b for a, b in pairwise(result.round_ms))
-    assert result.decoding_ms == result.round_ms[decoding_rounds - 1] < result.round_ms[-1] <= result.decode_ms
+    assert result.decoding_ms == result.round_ms[decoding_rounds - 1] <= result.round_ms[-1] <= result.decode_ms
     decoded = sum(len(t) - 1 for t in result.tokens)
     assert result.decode_tokens_per_s == pytest.approx(decoded / (result.round_ms[decoding_rounds - 1] / 1e3))
 
 
-def test_tokens_per_s_counts_the_decoding_rounds_only(plugin_references) -> None:
-    """Sequences that end early (EOS, the token limit) leave idle rounds until the loop's next finished-check (every
-    sync_every rounds); the rate is over the rounds in which a sequence was still generating."""
+def test_the_cpu_runs_no_idle_round(plugin_references) -> None:
+    """Sequences that end early (EOS, the token limit): on the CPU the loop reads the finished flag after every round
+    (a host read there, no device sync) and stops right after the last decoding round; the rate is over those."""
     model = load_model("preset:tiny-llama", dtype=torch.float64, seed=1).model
     prompts = [[3, 4, 5], [9, 8, 7, 6]]
     cache = KVCache.allocate(model.config, 2, 64, torch.float64, "cpu")
@@ -92,10 +103,11 @@ def test_tokens_per_s_counts_the_decoding_rounds_only(plugin_references) -> None
     eos = (free_run[0][4], free_run[1][6])
     result = vanilla_decoder(model, cache).generate(
         prompts, GenerationConfig(max_new_tokens=20, eos_token_ids=eos, sync_every=16))
-    assert max(len(t) for t in result.tokens) <= 7 and result.rounds == 16  # stopped at the first check
-    assert_rate_over_decoding_rounds(result, max(len(t) for t in result.tokens) - 1)  # vanilla: a token a round
+    longest = max(len(t) for t in result.tokens)
+    assert longest <= 7 and result.rounds == longest - 1  # vanilla: a token a round, the first from the prefill
+    assert_rate_over_decoding_rounds(result, result.rounds)
     limited = vanilla_decoder(model, cache).generate(prompts, GenerationConfig(max_new_tokens=6))
-    assert limited.rounds == 6 and all(len(t) == 6 for t in limited.tokens)  # the 6th round had nothing to do
+    assert limited.rounds == 5 and all(len(t) == 6 for t in limited.tokens)  # no 6th round with nothing to do
     assert_rate_over_decoding_rounds(limited, 5)
 
 
@@ -139,10 +151,22 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60,
                  m=20).save(config)
     run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", "dustin-h",
-           "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4"]
+           "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4", "--max-seq-len", "128"]
     assert main(run + ["--budget", "100"]) == 0
     assert "(budget k 100, m 40;" in capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
     assert main(run + ["--budget", "20"]) == 2
     captured = capsys.readouterr()
     assert "--budget 20 must exceed sinks + recent window = 20; raise it" in captured.err
     assert "weights loaded" not in captured.out
+
+
+@pytest.mark.parametrize("method, extra, line", [
+    ("quest", [], "quest: budget k 512 (--draft-budget, without a Dustin config)"),
+    ("snapkv", ["--budget", "40"], "snapkv: budget k 40 (--budget)"),
+    ("streamingllm", ["--draft-budget", "24"], "streamingllm: budget k 24 (--draft-budget, without a Dustin config)"),
+])
+def test_the_baselines_say_their_budget(capsys, plugin_references, method: str, extra: list[str], line: str) -> None:
+    """As Dustin's config line does: the k each sparse baseline verifies with, and where it came from."""
+    assert main(["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", method,
+                 "--prompt-tokens", "40", "--max-new-tokens", "4", *extra]) == 0
+    assert line in capsys.readouterr().out.splitlines()

@@ -263,10 +263,11 @@ def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:
 @pytest.mark.parametrize("request_, message", [
     (GenerationRequest("abc", 0), "max_tokens=0 must be >= 1"),
     (GenerationRequest("abc", 4, method="medusa"), "method 'medusa' is not served by this model; choose one of"),
-    (GenerationRequest("a" * 90, 10), r"max-seq-len 96 is smaller than prompt 0 \(90 tokens\) \+ max_tokens 10"),
+    (GenerationRequest("a" * 90, 10), r"max_tokens=10 does not fit: this model holds 96 positions per request, 3 of "
+     r"them kept free for a round's draft tokens, and text_input takes 90; send max_tokens <= 3"),
     (GenerationRequest("\u4e2d", 4), "U\\+4E2D is outside this model's 257-token vocabulary"),
     (GenerationRequest("abc", 4, temperature=-1.0), "temperature=-1.0 must be >= 0"),
-    (GenerationRequest("", 4), "prompt 0 is empty"),
+    (GenerationRequest("", 4), "text_input is empty; send at least one token"),
 ])
 def test_engine_refuses_bad_requests_clearly(engine: ServingEngine, request_: GenerationRequest, message: str) -> None:
     with pytest.raises(RequestError, match=message):

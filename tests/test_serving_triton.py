@@ -173,9 +173,10 @@ def test_stop_strings_end_the_text(server) -> None:
 @pytest.mark.parametrize("make, message", [
     (lambda m: _inputs(m, "abc", 4)[:1], "max_tokens"),  # missing a required input: Triton itself refuses
     (lambda m: _inputs(m, "abc", 4, dtype_of_max_tokens=np.int64), "expects 'INT32'"),  # wrong dtype
-    (lambda m: _inputs(m, "abc", -3), "max_tokens=-3 must be >= 1"),
+    (lambda m: _inputs(m, "abc", -3), "max_tokens=-3 must be in 1..2147483647"),
     (lambda m: _inputs(m, "abc", 4, method="beam-search"), "method 'beam-search' is not served by this model"),
-    (lambda m: _inputs(m, "a" * 90, 10), f"--max-seq-len {MAX_SEQ_LEN} is smaller than prompt 0 (90 tokens)"),
+    (lambda m: _inputs(m, "a" * 90, 10), f"max_tokens=10 does not fit: this model holds {MAX_SEQ_LEN} positions per "
+     "request, and text_input takes 90; send max_tokens <= 6"),  # dustin_sync's default method: vanilla
     (lambda m: _inputs(m, "abc", 4, top_p=1.5), "top_p=1.5 must be in (0, 1]"),
     (lambda m: _inputs(m, "abc", 4, stream=True), "stream=true needs the decoupled model"),
     (lambda m: _inputs(m, "abc", 4, ids=[97, 98]), "send exactly one of text_input (BYTES) and input_ids"),

@@ -1,21 +1,34 @@
 """Command line: `trtllm-dustin generate` (with no arguments: SmolLM2-135M-Instruct, the embedded default).
 
-This module imports only the standard library at the top: `generate` prints what it loads, from where and onto
-which device before torch, triton and transformers are imported (about 3 s on a CPU host), then opens every model
-(configs and tokenizer, no weights), checks every limit against the configs, and only then reads weights.
+This module imports only the standard library and the torch-free validation layer at the top: `generate` parses
+and checks its options (validation.py) and prints what it loads, from where and onto which device before torch,
+triton and transformers are imported (about 3 s on a CPU host), then opens every model (configs and tokenizer, no
+weights), checks every limit against the configs, and only then reads weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
 import runpy
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+from trtllm_dustin.validation import (
+    MAX_GAMMA,
+    InputError,
+    check_budget,
+    check_generate_options,
+    check_options,
+    method_facts,
+    sparse_gather_bytes,
+)
 
 if TYPE_CHECKING:  # annotations only: the imports themselves wait until a command needs them
     import torch
@@ -38,14 +51,103 @@ def _method_list() -> str:
     return "; ".join(f"{name}: {METHODS[name].about}" for name in OFFERED_METHODS)
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """generate's --model, --device and --dtype: what the first line reports (read before the slow imports by
-    `_early_generate_args`, then by the full parser)."""
-    return [parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory, .gguf file, or "
-                                "preset:NAME (default: SmolLM2-135M)"),
-            parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)"),
-            parser.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
-                                help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")]
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown choice, a value that is no number, a missing option) in one line that
+    says where the rest is, instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """--help shows every option's default: appended to its help unless the help already says what it is (a default
+    of None is explained there), and an option without help gets its default as its help; flags are off."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = f"default: {_typed(action.default)}"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return f"{text} (default: {_typed(action.default)})" if "default" not in text and \
+            self._shows_default(action) else text
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.nargs != 0 and not action.required and \
+            action.default is not argparse.SUPPRESS
+
+
+def _typed(default: object) -> str:
+    """A default as it is typed on the command line (a list: its values), escaped for argparse's %-expansion."""
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default))
+    return '""' if default == "" else str(default).replace("%", "%%")
+
+
+def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str] | None,
+                            draft_kv_choices: Sequence[str] | None, method_help: str = "",
+                            default_longspark: str = "") -> None:
+    """generate's options. Built twice: by build_parser, and before torch is imported by `_early_generate_args`
+    with the method names read from the registry's source (validation.method_facts) and the choices that need torch
+    left open (None: the full parser checks them)."""
+    gen.add_argument("--model", default=None, help="Hugging Face checkpoint directory, .gguf file, or preset:NAME "
+                     "(default: SmolLM2-135M-Instruct, the embedded one)")
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
+                     help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction; for speculative "
+                        "methods the opening of a validation-split book from the installed corpora)")
+    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file (default: "
+                        "none, the --prompt default)")
+    prompt.add_argument("--prompt-tokens", type=int, default=None,
+                        help="random prompt of this many token ids (for presets, which have no tokenizer; default: "
+                        "none, a text prompt)")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    gen.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sequence, at most")
+    gen.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: prompt + new tokens "
+                     "+ gamma)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass, in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (and the weights seed of presets)")
+    gen.add_argument("--backend", choices=["reference", "triton"], default=None,
+                     help="attention backend (default: triton on cuda, reference on cpu)")
+    gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
+    gen.add_argument("--method", choices=methods, default="vanilla", metavar="METHOD",
+                     help="decoding method (default: vanilla): " + method_help)
+    gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model; "
+                     "default with the default model: its packaged distilled draft)")
+    gen.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory "
+                     "from `train-longspark`, or random (random weights, for presets) (default with the default "
+                     f"model: the packaged {default_longspark})")
+    gen.add_argument("--gamma", type=int, default=3, help=f"draft tokens per speculative round, 1..{MAX_GAMMA}")
+    gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget; "
+                     "streamingllm, snapkv, quest without a Dustin config: their k")
+    gen.add_argument("--draft-kv-cache", choices=draft_kv_choices, default="model",
+                     help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads; "
+                          "only the acceptance rate can change, the target's cache stays in --dtype)")
+    gen.add_argument("--dustin-config", type=Path, default=None,
+                     help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
+                     "pair: the packaged one)")
+    gen.add_argument("--budget", type=int, default=None,
+                     help="k of the sparse methods, the cached positions each verification reads (default: the "
+                     "Dustin config's, m carried over as the same share of the free slots; without a Dustin config "
+                     "--draft-budget)")
+    gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
+    gen.add_argument("--engine", type=Path, default=None,
+                     help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
+                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config); "
+                     "an engine built with --pp-size N runs under `torchrun --nproc-per-node N` (docs/engines.md; "
+                     "default: none)")
+    gen.add_argument("--micro-batches", type=int, default=1, help="pipeline-parallel runs: the batch in this many "
+                     "micro-batches in flight across the stages (>1: each sequence samples from its own generator, "
+                     "seeded --seed + its index)")
+    gen.add_argument("--pp-timeout", type=float, default=300.0, help="pipeline-parallel runs: seconds a stage waits "
+                     "for another before the run stops with an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,58 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         srh_command,
     )
 
-    parser = argparse.ArgumentParser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)")
-    _add_model_arguments(gen)
-    prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default=None, help="prompt text (default: a short instruction; for speculative "
-                        "methods the opening of a validation-split book from the installed corpora)")
-    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file")
-    prompt.add_argument("--prompt-tokens", type=int, default=None,
-                        help="random prompt of this many token ids (for presets, which have no tokenizer)")
-    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
-    gen.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--backend", choices=["reference", "triton"], default=None,
-                     help="attention backend (default: triton on cuda, reference on cpu)")
-    gen.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on cuda")
-    gen.add_argument("--method", choices=OFFERED_METHODS, default="vanilla", metavar="METHOD",
-                     help="decoding method (default: vanilla): " + _method_list())
-    gen.add_argument("--draft", default=None, help="draft model for speculative methods (same forms as --model; "
-                     "default with the default model: its packaged distilled draft)")
-    gen.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory "
-                     "from `train-longspark`, or random (random weights, for presets) (default with the default "
-                     f"model: the packaged {DEFAULT_LONGSPARK})")
-    gen.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round (default: 3)")
-    gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
-    gen.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
-                     help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads; "
-                          "only the acceptance rate can change, the target's cache stays in --dtype)")
-    gen.add_argument("--dustin-config", type=Path, default=None,
-                     help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
-                     "pair: the packaged one)")
-    gen.add_argument("--budget", type=int, default=None,
-                     help="Dustin's k, the cached positions each sparse verification reads (default: the Dustin "
-                     "config's; m is carried over as the same share of the free slots)")
-    gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
-    gen.add_argument("--engine", type=Path, default=None,
-                     help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
-                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config); "
-                     "an engine built with --pp-size N runs under `torchrun --nproc-per-node N` (docs/engines.md)")
-    gen.add_argument("--micro-batches", type=int, default=1, help="pipeline-parallel runs: the batch in this many "
-                     "micro-batches in flight across the stages (>1: each sequence samples from its own generator, "
-                     "seeded --seed + its index)")
-    gen.add_argument("--pp-timeout", type=float, default=300.0, help="pipeline-parallel runs: seconds a stage waits "
-                     "for another before the run stops with an error")
+    gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)",
+                         formatter_class=_DefaultsHelp)
+    _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK)
     gen.set_defaults(func=_generate)
 
     build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
-                           "stages and tuned (docs/engines.md)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           "stages and tuned (docs/engines.md)", formatter_class=_DefaultsHelp)
     build.add_argument("--out", type=Path, required=True, help="engine directory (must not exist, unless --force)")
     build.add_argument("--model", default=None, help="target: checkpoint directory, .gguf file or preset:NAME; "
                        "None: SmolLM2-135M-Instruct")
@@ -122,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "None: no draft")
     build.add_argument("--longspark", default=None, help="LongSpark drafter directory, smollm2-longspark (packaged) "
                        "or random; None: none")
-    build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair")
+    build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair; "
+                       "None: none (the engine then serves no dustin method)")
     build.add_argument("--max-batch", type=int, default=16, help="batch slots the engine serves")
     build.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length per slot")
     build.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
@@ -139,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=_build)
 
     repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=_DefaultsHelp)
     repo.add_argument("--out", type=Path, required=True, help="repository directory (created; other models kept)")
     repo.add_argument("--name", default="dustin", help="model name inside the repository")
     repo.add_argument("--model", default=None,
@@ -176,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
     repo.add_argument("--engine", type=Path, default=None, help="serve an engine directory from `trtllm-dustin "
                       "build` (its models, Dustin config, LongSpark drafter, dtype and tactics; stored as an absolute "
-                      "path)")
+                      "path); None: the models named by the options above")
     repo.set_defaults(func=_triton_repo)
 
     serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
-                           "until Ctrl-C / SIGTERM", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           "until Ctrl-C / SIGTERM", formatter_class=_DefaultsHelp)
     serve.add_argument("--repo", type=Path, required=True, help="the model repository (`trtllm-dustin triton-repo`)")
     serve.add_argument("--address", default="127.0.0.1",
                        help="interface the HTTP and gRPC endpoints bind (0.0.0.0: every interface)")
@@ -198,30 +258,34 @@ def build_parser() -> argparse.ArgumentParser:
             ("search", add_search_arguments, search_command, "Algorithm 1: write a target-draft pair's Dustin config"),
             ("search-layers", add_layers_arguments, layers_command,
              "the in-pass selection layers of a target (written into its Dustin config)")):
-        command_parser = sub.add_parser(name, help=text)
+        command_parser = sub.add_parser(name, help=text, formatter_class=_DefaultsHelp)
         add_arguments(command_parser)
         command_parser.set_defaults(func=command)
 
-    prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation")
+    prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation",
+                          formatter_class=_DefaultsHelp)
     prep.add_argument("--out", type=Path, required=True, help="output .npy (uint16 [windows, seq_len])")
-    prep.add_argument("--seq-len", type=int, default=2048)
-    prep.add_argument("--max-windows", type=int, default=None)
+    prep.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
+    prep.add_argument("--max-windows", type=int, default=None, help="stop after this many windows; None: all")
     prep.set_defaults(func=_prepare_distill_data)
 
-    train = sub.add_parser("train-draft", help="distil a draft from the target (GPU recommended)")
+    train = sub.add_parser("train-draft", help="distil a draft from the target (GPU recommended)",
+                           formatter_class=_DefaultsHelp)
     train.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data")
     train.add_argument("--out", type=Path, required=True, help="directory for checkpoint/, record and loss curve")
     train.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
-    for name, default in (("steps", 2000), ("seq-len", 2048), ("batch-size", 8), ("seed", 0)):
-        train.add_argument(f"--{name}", type=int, default=default)
-    train.add_argument("--lr", type=float, default=2e-3)
+    for name, default, text in (("steps", 2000, "optimiser steps"), ("seq-len", 2048, "tokens per training window"),
+                                ("batch-size", 8, "windows per step"), ("seed", 0, "initialisation and data order")):
+        train.add_argument(f"--{name}", type=int, default=default, help=text)
+    train.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     train.add_argument("--init-layers", default="0,10,20,29",
                        help="target blocks the draft starts from, comma-separated (empty: from scratch, --draft-shape)")
     train.add_argument("--head-vocab", type=int, default=16384,
                        help="output rows of a layer-subset draft: the most frequent train ids (0: whole vocabulary)")
     train.add_argument("--draft-shape", default="smollm2-draft-random", help="preset shape of a from-scratch draft")
-    train.add_argument("--device", default=None)
-    train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    train.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
+    train.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                       "None: at --steps")
     train.set_defaults(func=_train_draft)
 
     from trtllm_dustin.training.longspark import LongSparkTrainConfig
@@ -229,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = LongSparkTrainConfig()
     spark = sub.add_parser("train-longspark", help="train a LongSpark drafter against its frozen target (GPU; "
                            "resumable: rerun with the same --out)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_DefaultsHelp)
     spark.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
     spark.add_argument("--out", type=Path, required=True,
                        help="directory for checkpoint/, resume.pt, the training record and the loss curve")
@@ -246,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
     spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
     spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
-    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training")
+    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                       "None: at --steps")
     spark.set_defaults(func=_train_longspark)
     return parser
 
@@ -319,13 +384,9 @@ def _prompt_ids(args: argparse.Namespace, target: Checkpoint) -> list[int]:
 
     vocab = target.config.vocab_size
     if args.prompt_tokens is not None:
-        if args.prompt_tokens < 1:
-            raise ValueError(f"--prompt-tokens {args.prompt_tokens} must be >= 1")
         gen = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
     if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
     elif args.prompt is None and METHODS[args.method].speculative and target.tokenizer is not None:
         long_text = _long_text_prompt(target.tokenizer)
@@ -362,19 +423,16 @@ def _dtype_name(requested: str | None, device: str) -> str:
 
 
 def _early_generate_args(argv: list[str]) -> argparse.Namespace | None:
-    """generate's --model, --device and --dtype, read before the slow imports; None where they cannot be read on
-    their own (another command, --help, an abbreviated option, a bad value): the full parser then decides."""
-    if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv) or any(a.startswith("--engine") for a in argv):
+    """`generate`'s options, parsed and checked before the slow imports (torch, triton, transformers: about 3 s), so
+    that a bad one is refused before the first line says what loads; None for another command or --help (the full
+    parser then answers). A value argparse refuses exits here with generate's usage, as the full parser would."""
+    if argv[:1] != ["generate"] or {"-h", "--help"} & set(argv):
         return None
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    options = [option for action in _add_model_arguments(parser) for option in action.option_strings]
-    try:
-        args, rest = parser.parse_known_args(argv[1:])
-    except argparse.ArgumentError:
-        return None
-    given = [token.split("=")[0] for token in rest if token.startswith("--")]
-    if any(option.startswith(token) for token in given for option in options):  # `--dev cuda` means --device
-        return None
+    facts = method_facts()
+    parser = _Parser(prog="trtllm-dustin generate")
+    _add_generate_arguments(parser, None if facts is None else [n for n, f in facts.items() if f.offered], None)
+    args = parser.parse_args(argv[1:])
+    check_generate_options(args, facts)
     return args
 
 
@@ -401,6 +459,11 @@ def _build(args: argparse.Namespace) -> int:
     from trtllm_dustin.build_engines.engine import EngineLimits, build_engine
     from trtllm_dustin.dustin_config import DustinConfig
 
+    if args.budget is not None:
+        if args.dustin_config is None:
+            raise InputError(f"--budget {args.budget} sets the k of a Dustin config, and none is given; pass "
+                             "--dustin-config FILE, or drop --budget")
+        check_budget(args.budget, args.max_seq_len)
     limits = EngineLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, gamma=args.gamma,
                           budget=args.budget, dtype=args.dtype, draft_kv_cache=args.draft_kv_cache)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
@@ -472,10 +535,11 @@ def _load(role: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
                   kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype,
-                  shares: list[float] | None = None) -> int:
+                  shares: list[float] | None = None, sparse_k: int | None = None) -> int:
     """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
-    each model's positions, and the weights + caches against the device's free memory (shares: the fraction of each
-    model this process holds, a pipeline stage's; default all). Returns the cache length."""
+    each model's positions, --budget against the cache, and the weights + caches (+ the sparse verification's gather
+    at k, `sparse_k`, for a sparse method) against the device's free memory (shares: the fraction of each model this
+    process holds, a pipeline stage's; default all). Returns the cache length."""
     from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
     from trtllm_dustin.runtime.generation import check_lengths
 
@@ -494,18 +558,36 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
                 fix = "shorten the prompt or lower --max-new-tokens"
             raise ValueError(f"{asked} exceeds the {role}'s {positions} positions ({checkpoint.config.name}); {fix}")
     check_lengths([prompt] * args.batch_size, args.batch_size, max_seq_len, args.max_new_tokens, lookahead)
+    if sparse_k is not None and args.budget is not None:
+        check_budget(args.budget, max_seq_len)
     shares = shares or [1.0] * len(models)
     weights = sum(int(share * checkpoint.config.num_parameters() * dtype.itemsize)
                   for (_, checkpoint), share in zip(models, shares, strict=True))
     caches = sum(int(share * KVCache.nbytes_for(checkpoint.config, args.batch_size, max_seq_len, kv))
                  for (_, checkpoint), kv, share in zip(models, kv_dtypes, shares, strict=True))
+    gather = 0 if sparse_k is None else _gather_bytes(models[0][1].config, args.batch_size, sparse_k, lookahead, dtype)
+    what = f" + the sparse gather at k = {sparse_k} {gather / 2**30:.2f} GiB" if sparse_k is not None else ""
     check_fits(f"this run (weights {weights / 2**30:.2f} GiB + KV caches of {args.batch_size} x {max_seq_len} "
-               f"tokens {caches / 2**30:.2f} GiB)", weights + caches, device)
+               f"tokens {caches / 2**30:.2f} GiB{what})", weights + caches + gather, device)
     positions = min(checkpoint.config.max_position_embeddings for _, checkpoint in models)
     print(f"checked: KV caches {args.batch_size} x {max_seq_len} tokens (<= {positions} positions), weights + caches "
-          f"{(weights + caches) / 2**30:.2f} GiB of {available_memory(device) / 2**30:.1f} GiB free on {device}",
-          flush=True)
+          f"{'+ gather ' if gather else ''}{(weights + caches + gather) / 2**30:.2f} GiB of "
+          f"{available_memory(device) / 2**30:.1f} GiB free on {device}", flush=True)
     return max_seq_len
+
+
+def _gather_bytes(config, batch: int, k: int, gamma: int, dtype: torch.dtype) -> int:
+    """A sparse verification's per-layer transient at k (validation.sparse_gather_bytes) for the target `config`."""
+    return sparse_gather_bytes(batch, k, gamma + 1, config.num_heads, config.num_kv_heads, config.head_dim,
+                               dtype.itemsize)
+
+
+def _sparse_k(args: argparse.Namespace, method, dustin: DustinConfig | None) -> int | None:
+    """The k a sparse method verifies with (None: it verifies in full): the Dustin config's, else --draft-budget
+    (the baselines'; _baseline_budgets put --budget there)."""
+    if not method.sparse:
+        return None
+    return dustin.budget if dustin is not None else args.draft_budget
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -527,8 +609,6 @@ def _generate(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
     dtype = getattr(torch, _dtype_name(args.dtype, device.type))
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
     if torchrun_world() > 1:  # one stage of a pipeline-parallel engine
         return _generate_pipeline(args)
     if args.micro_batches != 1:
@@ -549,7 +629,8 @@ def _generate(args: argparse.Namespace) -> int:
         kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
     prompt = _prompt_ids(args, target)
     lookahead = args.gamma if speculative else 0
-    max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype)
+    max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype,
+                                sparse_k=_sparse_k(args, method, dustin))
 
     # ---- load the weights
     loaded = _load("target", target, device, dtype)
@@ -587,11 +668,13 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
     steps = "rounds" if speculative else "steps"
     print(f"model {source} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch_size}, "
           f"prompt {prompt_tokens} tokens, generated {result.generated} tokens")
-    print(f"time to first token {result.prefill_ms:.1f} ms (prefill), then {result.setup_ms:.1f} ms of one-time "
-          "setup (CUDA-graph capture, kernel warm-up)")
-    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s "
-          f"({result.decoding_rounds} decoding {steps} in {result.decoding_ms:.1f} ms; {result.rounds} {steps} run in "
-          f"{result.decode_ms:.1f} ms, the idle ones until the finished-check included)")
+    setup = "" if device.type != "cuda" else \
+        f", then {result.setup_ms:.1f} ms of one-time setup (CUDA-graph capture, kernel warm-up)"
+    print(f"time to first token {result.prefill_ms:.1f} ms (prefill){setup}")
+    idle = result.rounds - result.decoding_rounds  # GPU only: rounds until the finished flag reached the host
+    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
+          f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the host, "
+                                             f"{result.decode_ms:.1f} ms in all)" if idle else ")"))
     if speculative:
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
@@ -643,7 +726,8 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
                 kv_dtypes.append(draft_kv_dtype(args.draft_kv_cache, dtype))
                 shares.append(1.0 if group.first else 0.0)
             lookahead = args.gamma if method.speculative else 0
-            max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype, shares)
+            max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype, shares,
+                                        sparse_k=_sparse_k(args, method, dustin))
         except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
             engine, error = None, str(e)
         facts = {} if engine is None else {
@@ -719,9 +803,6 @@ def _serve(args: argparse.Namespace) -> int:
     if not models:
         raise ValueError(f"--repo {args.repo} holds no model written by `trtllm-dustin triton-repo`; write one with "
                          f"`trtllm-dustin triton-repo --out {args.repo}`")
-    for port, name in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port")):
-        if not 0 <= port < 65536:
-            raise ValueError(f"{name} {port} must be in 0..65535")
     if not (args.server_dir / "bin" / "tritonserver").is_file():
         print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
         prepare_pytriton_server(args.server_dir)
@@ -769,7 +850,7 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
     engine brings its own). Records the choice in args.draft / args.longspark / args.dustin_config."""
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.dustin_config import DustinConfig
-    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, longspark_config
+    from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, LongSparkConfig, longspark_config
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
     from trtllm_dustin.runtime.methods import METHODS
 
@@ -792,6 +873,10 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         spark = longspark_config(args.longspark)
         if spark is not None:
             spark.check_target(target.config)
+        block = (spark or LongSparkConfig(target_layers=(0,))).block  # "random": the default shape
+        if args.gamma > block:
+            raise InputError(f"--gamma {args.gamma} exceeds the {block} tokens this LongSpark drafter proposes per "
+                             f"round (its block); lower --gamma to <= {block}")
         print(f"LongSpark drafter: {args.longspark}" + (" (random weights at the target's shape)" if spark is None
               else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
               flush=True)
@@ -812,7 +897,31 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
         print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}"
               + (f"; in-pass selection layers {selection}" if selection else "") + "; fingerprints match)", flush=True)
+    _baseline_budgets(args, methods, dustin)
     return draft, dustin
+
+
+def _baseline_budgets(args: argparse.Namespace, methods: list[str], dustin: DustinConfig | None) -> None:
+    """The k of the sparse baselines (streamingllm, snapkv, quest): the Dustin config's when one is given, else
+    --draft-budget, which --budget sets (unless MagicDec, whose draft window --draft-budget also is, is served too);
+    said as Dustin's is. --budget with no sparse method is refused."""
+    from trtllm_dustin.runtime.methods import METHODS
+
+    budget = getattr(args, "budget", None)
+    if budget is not None and not any(METHODS[m].sparse for m in methods):
+        raise InputError(f"--budget {budget}: no method here ({', '.join(methods)}) verifies against a budget k; "
+                         "drop --budget, or choose a sparse method (dustin-*, streamingllm, snapkv, quest)")
+    baselines = [m for m in methods if METHODS[m].sparse and not METHODS[m].needs_dustin]
+    if not baselines:
+        return
+    if dustin is None and budget is not None:
+        if "magicdec" in methods:
+            raise InputError(f"--budget {budget}: without a Dustin config the baselines' k is --draft-budget, which is "
+                             "also MagicDec's draft window here; pass --draft-budget or a --dustin-config instead")
+        args.draft_budget = budget
+    k, source = (dustin.budget, "the Dustin config's") if dustin is not None else \
+        (args.draft_budget, "--budget" if budget is not None else "--draft-budget, without a Dustin config")
+    print(f"{', '.join(baselines)}: budget k {k} ({source})", flush=True)
 
 
 def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None, str | None, DustinConfig | None]:
@@ -845,12 +954,17 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
         if args.max_seq_len > positions:
             raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the {role}'s {positions} positions "
                              f"({checkpoint.config.name}); lower it")
+    if args.budget is not None:
+        check_budget(args.budget, args.max_seq_len)
     weights = sum(checkpoint.config.num_parameters() * dtype.itemsize for _, checkpoint, _, _ in models)
     caches = sum(copies * KVCache.nbytes_for(checkpoint.config, args.max_batch, args.max_seq_len, kv)
                  for _, checkpoint, kv, copies in models)
+    ks = [k for k in (_sparse_k(args, METHODS[m], dustin) for m in args.method) if k is not None]
+    gather = _gather_bytes(target.config, args.max_batch, max(ks), args.gamma, dtype) if ks else 0
     check_fits(f"the repository's model (weights {weights / 2**30:.2f} GiB + KV caches of {len(args.method)} "
-               f"method(s) x {args.max_batch} x {args.max_seq_len} tokens {caches / 2**30:.2f} GiB)", weights + caches,
-               device)
+               f"method(s) x {args.max_batch} x {args.max_seq_len} tokens {caches / 2**30:.2f} GiB"
+               + (f" + the sparse gather at k = {max(ks)} {gather / 2**30:.2f} GiB)" if ks else ")"),
+               weights + caches + gather, device)
 
     def absolute(spec: str | None) -> str | None:
         named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK)
@@ -863,7 +977,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["generate"] and os.environ.get("RANK", "0") != "0":
         sys.stdout = open(os.devnull, "w")  # a pipeline's other ranks are silent; their errors still show
-    early = _early_generate_args(argv)
+    try:
+        early = _early_generate_args(argv)
+    except InputError as e:
+        print(f"trtllm-dustin: error: {e}", file=sys.stderr)
+        return 2
     if early is not None:
         print(_loading_line(early), flush=True)  # before the slow imports below
     from trtllm_dustin.config import ConfigError
@@ -872,9 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_dustin.runtime.pipeline_group import PipelineError
 
     args = build_parser().parse_args(argv)
-    if args.command == "generate" and early is None:
-        print(_loading_line(args), flush=True)
     try:
+        check_options(args)  # every numeric option of every command, before anything is opened or loaded
         return args.func(args)
     except (ValueError, ConfigError, ModelLoadError, MemoryPlanError, PipelineError) as e:
         print(f"trtllm-dustin: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.validation import check_fields, read_json_object
 
 __all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
 
@@ -123,20 +124,26 @@ class DustinConfig:
         return json.dumps({"schema_version": DUSTIN_SCHEMA_VERSION, **asdict(self)}, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> DustinConfig:
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "the Dustin config") -> DustinConfig:
+        """source: what the message calls the text (load: the file)."""
+        fix = "write it with `trtllm-dustin search`"
+        data = read_json_object(text, source, fix)
         version = data.pop("schema_version", None)
         if version not in READABLE_SCHEMA_VERSIONS:
-            raise ConfigError(f"Dustin config schema_version {version} is not one of {READABLE_SCHEMA_VERSIONS}; "
-                              "re-run `trtllm-dustin search`")
-        return cls(**data)
+            raise ConfigError(f"{source}: schema_version {version} is not one of {READABLE_SCHEMA_VERSIONS}; re-run "
+                              "`trtllm-dustin search`")
+        check_fields(data, cls, source, fix)
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}; {fix}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> DustinConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"Dustin config {path} does not exist; create one with `trtllm-dustin search`")
-        return cls.from_json(path.read_text())
+        return cls.from_json(path.read_text(), f"Dustin config {path}")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")

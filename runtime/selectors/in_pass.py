@@ -155,14 +155,17 @@ class InPassSelector:
         chosen = torch.cat(parts, dim=1).to(torch.int32)  # [B, k]: the sparse kernel takes any order
         return torch.where(lengths[:, None] > cfg.budget, chosen, keep_all_indices(lengths, cfg.budget))
 
-    def _score(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """S_l over [0, L_b) from the queries q [B, T, H_q, D] at L_b + t: exact Eq. 5, or the page bounds."""
+    def _score(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor,
+               rows: slice = slice(None)) -> torch.Tensor:
+        """S_l over [0, L_b) of the slots `rows` from their queries q [n, T, H_q, D] at L_b + t: exact Eq. 5, or the
+        page bounds."""
+        out = self.scores[rows]
         if not self.pages:
-            return srh_score(q, k_cache, lengths, self.layers[layer].heads, out=self.scores, pdl=self.pdl)
+            return srh_score(q, k_cache, lengths, self.layers[layer].heads, out=out, pdl=self.pdl)
         k_min, k_max = self.key_range[layer]
-        page_scores = page_bounds(q, k_min, k_max, lengths, self._head_weights[layer])  # [B, P]
-        expanded = page_scores.repeat_interleave(PAGE, dim=1)[:, : self.scores.shape[1]]
-        return self.scores.copy_(expanded.masked_fill(self._positions >= lengths.long()[:, None], 0.0))
+        page_scores = page_bounds(q, k_min[rows], k_max[rows], lengths, self._head_weights[layer])  # [n, P]
+        expanded = page_scores.repeat_interleave(PAGE, dim=1)[:, : out.shape[1]]
+        return out.copy_(expanded.masked_fill(self._positions >= lengths.long()[:, None], 0.0))
 
     # ---- the Selector seam ------------------------------------------------------------------------------------------
     def on_prefill(self, view: PrefillView) -> None:
@@ -223,11 +226,34 @@ class InPassSelector:
         return self.indices
 
     def choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
-        scores = self._score(layer, q, k_cache, cache_seqlens)
-        self.indices.copy_(self._assemble(cache_seqlens, scores, self.drafted if self.m else None))
+        self._choose(layer, q, k_cache, cache_seqlens, slice(None))
+
+    def rows(self, rows: slice) -> _Rows:
+        return _Rows(self, rows)
+
+    def _choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, rows: slice) -> None:
+        """choose for the slots `rows` (q, k_cache and lengths hold those slots only)."""
+        scores = self._score(layer, q, k_cache, lengths, rows)
+        self.indices[rows] = self._assemble(lengths, scores, self.drafted[rows] if self.m else None)
 
     def observe(self, seen: Observation) -> None:
         """Nothing: the pass leaves its choice in `indices`, which the next round's pre-pass starts from."""
 
     def draft_share(self) -> torch.Tensor:
         return self._fixed_m
+
+
+class _Rows:
+    """An InPassSelector's selection over some batch slots only (InPassSelection.rows)."""
+
+    def __init__(self, selector: InPassSelector, rows: slice) -> None:
+        self.selector, self.slots = selector, rows
+        self.dense_layers, self.selection_layers = selector.dense_layers, selector.selection_layers
+
+    def choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+        self.selector._choose(layer, q, k_cache, cache_seqlens, self.slots)
+
+    def rows(self, rows: slice) -> _Rows:
+        start = (self.slots.start or 0) + (rows.start or 0)
+        stop = start + (rows.stop - (rows.start or 0)) if rows.stop is not None else self.slots.stop
+        return _Rows(self.selector, slice(start, stop))

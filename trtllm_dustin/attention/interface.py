@@ -26,6 +26,10 @@ class InPassSelection(Protocol):
         """q [B, T, H_q, D]: this layer's queries of the T verified tokens (at L_b + t); k_cache [B, H_kv, S_max, D]
         with their keys written. Rewrites the set that `indices` holds (no host sync: it runs in a captured pass)."""
 
+    def rows(self, rows: slice) -> InPassSelection:
+        """The same selection over the batch slots [start, stop) only (a forward over those slots: the CPU verifies
+        its busy slots alone)."""
+
 
 @dataclass
 class AttentionMetadata:

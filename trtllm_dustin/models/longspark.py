@@ -36,6 +36,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.decoder import Block, RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
+from trtllm_dustin.validation import check_fields, read_json_object
 
 __all__ = ["DEFAULT_LONGSPARK", "LONGSPARK_SCHEMA_VERSION", "LongSpark", "LongSparkConfig", "default_longspark_path",
            "load_longspark", "longspark_config", "longspark_directory", "random_longspark", "spread_layers",
@@ -85,13 +86,18 @@ class LongSparkConfig:
         return json.dumps({"schema_version": LONGSPARK_SCHEMA_VERSION, **asdict(self)}, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> LongSparkConfig:
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "the LongSpark config") -> LongSparkConfig:
+        """source: what the message calls the text (the checkpoint's config.json)."""
+        fix = "retrain it with `trtllm-dustin train-longspark`"
+        data = read_json_object(text, source, fix)
         version = data.pop("schema_version", None)
         if version != LONGSPARK_SCHEMA_VERSION:
-            raise ConfigError(f"LongSpark config schema_version {version} is not {LONGSPARK_SCHEMA_VERSION}; "
-                              "retrain it with `trtllm-dustin train-longspark`")
-        return cls(**data)
+            raise ConfigError(f"{source}: schema_version {version} is not {LONGSPARK_SCHEMA_VERSION}; {fix}")
+        check_fields(data, cls, source, fix)
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}; {fix}") from None
 
 
 # ---- the global summary ----------------------------------------------------------------------------------------
@@ -351,7 +357,8 @@ def longspark_config(spec: str | Path | None) -> LongSparkConfig | None:
     it can be checked against the target's config before anything loads; None for "random" (the target's shape)."""
     if spec == "random":
         return None
-    return LongSparkConfig.from_json((_checkpoint_dir(spec) / "config.json").read_text())
+    path = _checkpoint_dir(spec) / "config.json"
+    return LongSparkConfig.from_json(path.read_text(), f"LongSpark config {path}")
 
 
 def load_longspark(spec: str | Path | None, target: Transformer, seed: int = 0) -> LongSpark:

@@ -11,6 +11,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
+from trtllm_dustin.validation import check_fields, read_json_object
 
 __all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
 
@@ -102,14 +103,19 @@ class ServingConfig:
         return json.dumps({"schema_version": SERVING_SCHEMA_VERSION, **data}, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> ServingConfig:
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "the serving config") -> ServingConfig:
+        """source: what the message calls the text (load: the file)."""
+        fix = "regenerate the repository with `trtllm-dustin triton-repo`"
+        data = read_json_object(text, source, fix)
         version = data.pop("schema_version", None)
         if version != SERVING_SCHEMA_VERSION:
-            raise ConfigError(f"serving config schema_version {version} is not {SERVING_SCHEMA_VERSION}; regenerate "
-                              "the repository with `trtllm-dustin triton-repo`")
-        return cls(**data)
+            raise ConfigError(f"{source}: schema_version {version} is not {SERVING_SCHEMA_VERSION}; {fix}")
+        check_fields(data, cls, source, fix)
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
-        return cls.from_json(Path(path).read_text())
+        return cls.from_json(Path(path).read_text(), f"serving config {path}")

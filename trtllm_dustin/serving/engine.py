@@ -40,6 +40,7 @@ from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
+from trtllm_dustin.validation import HTTP, check_options, check_request_length
 
 __all__ = ["DRAIN_FILE_ENV", "GenerationRequest", "QueueFullError", "RequestError", "RequestStats", "ResponseChunk",
            "ServedDecoders", "ServingEngine", "served_decoders"]
@@ -48,7 +49,6 @@ __all__ = ["DRAIN_FILE_ENV", "GenerationRequest", "QueueFullError", "RequestErro
 # holding the seconds running requests get to finish before they are cut (so that Triton's own exit wait ends cleanly).
 DRAIN_FILE_ENV = "TRTLLM_DUSTIN_DRAIN_FILE"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MAX_SEED = 2**63 - 2  # generate() seeds its first-token generator with seed + 1, which must fit an int64
 
 
 class RequestError(ValueError):
@@ -175,20 +175,20 @@ class ServingEngine:
         if method not in self.batchers:
             raise RequestError(f"method {method!r} is not served by this model; choose one of "
                                f"{', '.join(self.batchers)} (regenerate the repository with --method to serve others)")
-        if request.max_tokens < 1:
-            raise RequestError(f"max_tokens={request.max_tokens} must be >= 1")
-        if not 0 <= request.seed <= _MAX_SEED:
-            raise RequestError(f"seed={request.seed} must be in [0, 2^63 - 2]")
-        if request.stream and not self.config.decoupled:
-            raise RequestError("stream=true needs the decoupled model; regenerate the repository with --decoupled")
+        batcher = self.batchers[method]
+        field = "text_input" if request.input_ids is None else "input_ids"
         try:
-            sampling = SamplingParams(request.temperature, request.top_p, request.seed)
-            ids = request.input_ids
-            prompt = self.codec.encode(request.text) if ids is None else self._check_ids(ids)
-            slot_request = SlotRequest(tuple(prompt), request.max_tokens, sampling)
-            self.batchers[method].check(slot_request)
-        except ValueError as e:
-            raise RequestError(str(e).replace("--max-new-tokens", "max_tokens")) from e
+            check_options({"max_tokens": request.max_tokens, "temperature": request.temperature,
+                           "top_p": request.top_p, "seed": request.seed}, HTTP)
+            if request.stream and not self.config.decoupled:
+                raise RequestError("stream=true needs the decoupled model; regenerate the repository with --decoupled")
+            prompt = self.codec.encode(request.text) if request.input_ids is None else \
+                self._check_ids(request.input_ids)
+            check_request_length(field, len(prompt), request.max_tokens, batcher.gamma, batcher.cache.max_seq_len)
+        except ValueError as e:  # InputError, or the codec's: a character outside a tokenizer-less vocabulary
+            raise RequestError(str(e)) from None
+        sampling = SamplingParams(request.temperature, request.top_p, request.seed)
+        slot_request = SlotRequest(tuple(prompt), request.max_tokens, sampling)
         job = _Job(request, method, slot_request, on_chunk, IncrementalDetokenizer(self.codec),
                    StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)), cancelled)
         with self._cv:

@@ -39,6 +39,9 @@ INPUTS: dict[str, tuple[str, list[int], bool]] = {
     "method": ("TYPE_STRING", [1], True),
     "stream": ("TYPE_BOOL", [1], True),
 }
+# Request parameters Triton reserves for itself (besides every name starting with "triton_"), Triton's parameters
+# extension: passed through, never refused as unknown fields.
+_TRITON_PARAMETERS = ("sequence_id", "priority", "timeout", "sequence_start", "sequence_end", "headers")
 # name -> (Triton type, numpy type, dims, RequestStats attribute or None for the text)
 OUTPUTS: dict[str, tuple[str, Any, list[int], str | None]] = {
     "text_output": ("TYPE_STRING", np.object_, [-1], None),
@@ -158,9 +161,18 @@ def _text(value: Any, name: str) -> str:
 
 
 def _parse(request: Any, pb_utils: Any) -> Any:
-    """Triton tensors -> GenerationRequest. Types and required inputs are already checked by Triton itself."""
+    """Triton tensors -> GenerationRequest. Types and required inputs are already checked by Triton itself, the
+    values by the engine's submit (validation.py, in the request's terms)."""
     from trtllm_dustin.serving.engine import GenerationRequest, RequestError
+    from trtllm_dustin.validation import HTTP, InputError, check_value
 
+    # The generate endpoints hand every JSON key that names no input on as a request parameter: refused here, so that
+    # a misspelt field ("tempreature") is not silently ignored. Triton's own parameters are reserved names.
+    unknown = [name for name in json.loads(request.parameters() or "{}")
+               if name not in _TRITON_PARAMETERS and not name.startswith("triton_")]
+    if unknown:
+        raise RequestError(f"{unknown[0]!r} is not a field of this model's requests; send only "
+                           f"{', '.join(INPUTS)}")
     text = _scalar(request, pb_utils, "text_input")
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     max_tokens = _scalar(request, pb_utils, "max_tokens")
@@ -172,13 +184,14 @@ def _parse(request: Any, pb_utils: Any) -> Any:
     seed, random_seed = _scalar(request, pb_utils, "seed"), _scalar(request, pb_utils, "random_seed")
     if seed is not None and random_seed is not None:
         raise RequestError("send either seed (INT64) or random_seed (UINT64), not both")
+    if random_seed is not None:  # checked under its own name; the engine checks the rest (validation.py)
+        try:
+            check_value("random_seed", int(random_seed), HTTP)
+        except InputError as e:
+            raise RequestError(str(e)) from None
     seed = int(seed if seed is not None else random_seed if random_seed is not None else 0)
     temperature = float(_scalar(request, pb_utils, "temperature", 0.0))
     top_p = float(_scalar(request, pb_utils, "top_p", 1.0))
-    if not math.isfinite(temperature) or temperature < 0:
-        raise RequestError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p={top_p} must be in (0, 1]")
     stop_tensor = pb_utils.get_input_tensor_by_name(request, "stop")
     stop = () if stop_tensor is None else tuple(_text(s, "stop") for s in stop_tensor.as_numpy().reshape(-1))
     method = _scalar(request, pb_utils, "method")

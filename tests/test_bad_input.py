@@ -1,0 +1,211 @@
+"""Bad input on the command line, as a new user types it: each is refused with one exact line that names the value,
+the limit and the fix, and nothing is loaded first: the options alone are refused before generate's first line
+(which comes before torch is imported), what needs a model's config once the configs are open and before any weight
+is read or cache allocated. The validation layer's own invariants (every option has a range, the torch-free view of
+the method registry) are checked here too; the bad HTTP requests are in test_serving_real_pair.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from trtllm_dustin.cli import build_parser, main
+from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.loading import Checkpoint
+from trtllm_dustin.validation import RANGES, MethodFacts, method_facts
+
+E = "trtllm-dustin: error: "
+TINY = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "5"]
+PAIR = [*TINY, "--draft", "preset:tiny-llama-draft"]
+SPARSE = "dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, dustin-t-longspark"
+KERNELS = "(a round verifies gamma + 1 tokens and the kernels take at most 16)"
+DUSTIN_FIX = "write it with `trtllm-dustin search`"
+
+# (argv, stderr): refused from the options alone, before anything is printed (generate: before its first line)
+BEFORE_ANYTHING = [
+    (["generate", "--method", "nosuch"], "trtllm-dustin generate: error: argument --method: invalid choice: 'nosuch' "
+     "(choose from 'vanilla', 'classic', 'magicdec', 'dustin-h', 'dustin-t', 'dustin-d', 'dustin-h-sparse-draft', "
+     "'streamingllm', 'snapkv', 'quest', 'longspark', 'dustin-t-longspark'); see `trtllm-dustin generate --help`"),
+    (["generate", "--gamma", "x"], "trtllm-dustin generate: error: argument --gamma: invalid int value: 'x'; see "
+     "`trtllm-dustin generate --help`"),
+    (["generate", "--temperature", "nan"], E + "--temperature nan is not a finite number; pass a number >= 0 (0: "
+     "greedy)"),
+    (["generate", "--temperature", "inf"], E + "--temperature inf is not a finite number; pass a number >= 0 (0: "
+     "greedy)"),
+    (["generate", "--temperature", "-1"], E + "--temperature -1.0 must be >= 0 (0: greedy); raise it"),
+    (["generate", "--top-p", "2"], E + "--top-p 2.0 must be in (0, 1] (the nucleus's probability mass; 1: no cut); "
+     "lower it"),
+    (["generate", "--top-p", "0"], E + "--top-p 0.0 must be in (0, 1] (the nucleus's probability mass; 1: no cut); "
+     "raise it"),
+    (["generate", "--top-p", "nan"], E + "--top-p nan is not a finite number; pass a number in (0, 1] (the "
+     "nucleus's probability mass; 1: no cut)"),
+    (["generate", "--gamma", "0"], E + f"--gamma 0 must be in 1..15 {KERNELS}; raise it"),
+    (["generate", "--gamma", "100"], E + f"--gamma 100 must be in 1..15 {KERNELS}; lower it"),
+    (["generate", "--gamma", "16"], E + f"--gamma 16 must be in 1..15 {KERNELS}; lower it"),
+    (["generate", "--budget", "0"], E + "--budget 0: --method vanilla verifies against the whole cache and has no "
+     f"budget k; drop --budget, or choose a sparse method ({SPARSE})"),
+    (["generate", "--method", "classic", "--budget", "512"], E + "--budget 512: --method classic verifies against "
+     f"the whole cache and has no budget k; drop --budget, or choose a sparse method ({SPARSE})"),
+    (["generate", "--method", "dustin-h", "--budget", "-3"], E + "--budget -3 must be >= 1; raise it"),
+    (["generate", "--batch-size", "0"], E + "--batch-size 0 must be >= 1; raise it"),
+    (["generate", "--max-new-tokens", "-5"], E + "--max-new-tokens -5 must be >= 1; raise it"),
+    (["generate", "--max-seq-len", "0"], E + "--max-seq-len 0 must be >= 1; raise it"),
+    (["generate", "--seed", "-1"], E + "--seed -1 must be in 0..9223372036854775806; raise it"),
+    (["generate", "--seed", str(2**63)], E + "--seed 9223372036854775808 must be in 0..9223372036854775806; lower "
+     "it"),
+    (["generate", "--prompt-tokens", "0"], E + "--prompt-tokens 0 must be >= 1; raise it"),
+    (["generate", "--draft-budget", "0"], E + "--draft-budget 0 must be >= 1; raise it"),
+    (["generate", "--micro-batches", "0"], E + "--micro-batches 0 must be >= 1; raise it"),
+    (["generate", "--pp-timeout", "nan"], E + "--pp-timeout nan is not a finite number; pass a number > 0"),
+    (["generate", "--prompt-file", "/nonexistent/prompt.txt"], E + "--prompt-file /nonexistent/prompt.txt does not "
+     "exist; pass a text file"),
+    (["generate", "--dtype", "int8"], "trtllm-dustin generate: error: argument --dtype: invalid choice: 'int8' "
+     "(choose from 'bfloat16', 'float16', 'float32'); see `trtllm-dustin generate --help`"),
+    (["triton-repo", "--out", "{tmp}/repo", "--max-batch", "0"], E + "--max-batch 0 must be >= 1; raise it"),
+    (["triton-repo", "--out", "{tmp}/repo", "--queue-size", "0"], E + "--queue-size 0 must be >= 1; raise it"),
+    (["triton-repo", "--out", "{tmp}/repo", "--gamma", "20"], E + f"--gamma 20 must be in 1..15 {KERNELS}; lower it"),
+    (["triton-repo"], "trtllm-dustin triton-repo: error: the following arguments are required: --out; see "
+     "`trtllm-dustin triton-repo --help`"),
+    (["serve", "--repo", "{tmp}/repo", "--http-port", "70000"], E + "--http-port 70000 must be in 0..65535 (0: any "
+     "free port); lower it"),
+    (["serve", "--repo", "{tmp}/repo", "--start-timeout", "0"], E + "--start-timeout 0.0 must be > 0; raise it"),
+    (["build", "--out", "{tmp}/engine", "--max-seq-len", "0"], E + "--max-seq-len 0 must be >= 1; raise it"),
+    (["build", "--out", "{tmp}/engine", "--budget", "512"], E + "--budget 512 sets the k of a Dustin config, and "
+     "none is given; pass --dustin-config FILE, or drop --budget"),
+    (["build", "--out", "{tmp}/engine", "--dustin-config", "{tmp}/small.json", "--budget", "5000"], E + "--budget "
+     "5000 exceeds the KV cache's 4096 positions; a sparse verification reads at most that many: lower it to <= 4096 "
+     "(a k that covers the whole context verifies in full)"),
+    (["search", "--draft", "preset:tiny-llama-draft", "--out", "{tmp}/d.json", "--trials", "0"],
+     E + "--trials 0 must be >= 1; raise it"),
+    (["srh", "--out", "{tmp}/s.json", "--depths", "0.5", "1.5"], E + "--depths 1.5 must be in [0, 1]; lower it"),
+    (["arr", "--out-dir", "{tmp}/arr", "--label", "x", "--kl-prompts", "-1"], E + "--kl-prompts -1 must be >= 0; "
+     "raise it"),
+    (["train-longspark", "--tokens", "{tmp}/t.npy", "--out", "{tmp}/spark", "--lr", "0"], E + "--lr 0.0 must be > 0; "
+     "raise it"),
+    (["train-draft", "--tokens", "{tmp}/t.npy", "--out", "{tmp}/draft", "--lr", "nan"], E + "--lr nan is not a "
+     "finite number; pass a number > 0"),
+    (["prepare-distill-data", "--out", "{tmp}/t.npy", "--seq-len", "0"], E + "--seq-len 0 must be >= 1; raise it"),
+]
+
+# (argv, stderr): refused once the configs are opened, before any weight is read
+BEFORE_WEIGHTS = [
+    (["generate", "--method", "dustin-h", "--budget", "99999999"], E + "--budget 99999999 exceeds the KV cache's "
+     "1603 positions; a sparse verification reads at most that many: lower it to <= 1603 (a k that covers the whole "
+     "context verifies in full)"),  # the default pair on its default prompt (1536 + 64 + gamma 3)
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/list.json"], E + "Dustin config {tmp}/list.json holds "
+     f"a JSON list, not an object of fields; {DUSTIN_FIX}"),
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/budget.json"], E + "Dustin config {tmp}/budget.json: "
+     f"field budget is \"big\" (a string); it must be an integer; {DUSTIN_FIX}"),
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/heads.json"], E + "Dustin config {tmp}/heads.json: "
+     f"field target_layers[0].heads is 0 (a number); it must be a list; {DUSTIN_FIX}"),
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/typo.json"], E + "Dustin config {tmp}/typo.json: "
+     "'bugdet' is not a field of DustinConfig (fields: target_layers, draft_layers, budget, m, n_sink, n_recent, "
+     f"gamma, target_fingerprint, draft_fingerprint); {DUSTIN_FIX}"),
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/cut.json"], E + "Dustin config {tmp}/cut.json is not "
+     f"valid JSON (Expecting ',' delimiter: line 2 column 1 (char 21)); {DUSTIN_FIX}"),
+    ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/small.json"], E + "Dustin config {tmp}/small.json: "
+     f"budget k=10 must exceed sinks + recent window = 20; {DUSTIN_FIX}"),
+    ([*TINY, "--method", "longspark", "--longspark", "random", "--gamma", "8"], E + "--gamma 8 exceeds the 7 tokens "
+     "this LongSpark drafter proposes per round (its block); lower --gamma to <= 7"),
+    ([*TINY, "--max-seq-len", "5000"], E + "--max-seq-len 5000 exceeds the target's 2048 positions (tiny-llama); "
+     "lower it"),
+    ([*PAIR, "--method", "quest", "--max-new-tokens", "4", "--budget", "100"], E + "--budget 100 exceeds the KV "
+     "cache's 12 positions; a sparse verification reads at most that many: lower it to <= 12 (a k that covers the "
+     "whole context verifies in full)"),
+    (["triton-repo", "--out", "{tmp}/repo", "--model", "preset:tiny-llama", "--max-seq-len", "64", "--budget", "32"],
+     E + "--budget 32: no method here (vanilla) verifies against a budget k; drop --budget, or choose a sparse "
+     "method (dustin-*, streamingllm, snapkv, quest)"),
+    (["triton-repo", "--out", "{tmp}/repo", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft",
+      "--method", "quest", "--max-seq-len", "64", "--budget", "100"], E + "--budget 100 exceeds the KV cache's 64 "
+     "positions; a sparse verification reads at most that many: lower it to <= 64 (a k that covers the whole context "
+     "verifies in full)"),
+]
+
+CONFIGS = {  # the --dustin-config files of BEFORE_WEIGHTS
+    "list.json": "[1, 2, 3]",
+    "budget.json": {"schema_version": 1, "target_layers": [{"layer": 1, "heads": [0]}], "draft_layers": [],
+                    "budget": "big"},
+    "heads.json": {"schema_version": 1, "target_layers": [{"layer": 1, "heads": 0}], "draft_layers": []},
+    "typo.json": {"schema_version": 1, "target_layers": [], "draft_layers": [], "bugdet": 3},
+    "cut.json": '{"schema_version": 1\n',
+    "small.json": {"schema_version": 1, "target_layers": [{"layer": 1, "heads": [0]}], "draft_layers": [],
+                   "budget": 10},
+}
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a weight or allocating a KV cache fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read or a cache allocated before the input was refused")
+
+    monkeypatch.setattr(Checkpoint, "load", refuse)
+    monkeypatch.setattr(KVCache, "allocate", refuse)
+
+
+def _refused(argv: list[str], tmp_path: Path, capsys) -> tuple[str, str]:
+    """(stdout, stderr) of a command that must exit with status 2."""
+    for name, content in CONFIGS.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    try:
+        code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    return captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv, message", BEFORE_ANYTHING, ids=[" ".join(a[:3]) for a, _ in BEFORE_ANYTHING])
+def test_an_option_out_of_range_is_refused_before_anything(argv, message: str, tmp_path: Path, capsys,
+                                                           nothing_loads) -> None:
+    out, err = _refused(argv, tmp_path, capsys)
+    assert err == message.replace("{tmp}", str(tmp_path)) + "\n"
+    assert out == ""  # not even generate's first line ("loading ...")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFIGS)  # no repository, engine or output
+
+
+@pytest.mark.parametrize("argv, message", BEFORE_WEIGHTS, ids=[" ".join(a[-2:]) for a, _ in BEFORE_WEIGHTS])
+def test_a_limit_of_the_models_is_refused_before_any_weight(argv, message: str, tmp_path: Path, capsys,
+                                                            nothing_loads) -> None:
+    out, err = _refused(argv, tmp_path, capsys)
+    assert err == message.replace("{tmp}", str(tmp_path)) + "\n"
+    assert "weights loaded" not in out and "checked: KV caches" not in out
+    assert not (tmp_path / "repo").exists()
+
+
+def test_the_tables_are_the_size_the_issue_asks_for() -> None:
+    assert len(BEFORE_ANYTHING) + len(BEFORE_WEIGHTS) >= 30
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_numeric_option_has_a_range() -> None:
+    """A new int or float option of any command must say its range in validation.RANGES, or it goes unchecked."""
+    missing = sorted(f"{name} --{action.dest.replace('_', '-')}" for name, parser in _subcommands().items()
+                     for action in parser._actions if action.type in (int, float) and action.dest not in RANGES)
+    assert missing == []
+
+
+def test_help_shows_every_default() -> None:
+    """Each option's --help entry states its default: the value (a list's elements), or what None stands for."""
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or action.default == argparse.SUPPRESS or \
+                    action.required:
+                continue
+            shown = " ".join(parser.formatter_class(parser.prog)._format_action(action).split())  # unwrapped
+            value = " ".join(map(str, action.default)) if isinstance(action.default, list) else str(action.default)
+            assert "default" in shown and (action.default is None or value in shown), (name, shown)
+
+
+def test_the_registry_read_without_torch_is_the_registry() -> None:
+    from trtllm_dustin.runtime.methods import METHODS
+
+    assert method_facts() == {name: MethodFacts(m.offered, m.speculative, m.sparse) for name, m in METHODS.items()}
