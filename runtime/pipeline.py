@@ -9,11 +9,13 @@ decides acceptance. One round of one micro-batch, message by message (tags are t
     rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (pipeline_selection.py: S_target arrives
                  from the stages that own the SRH layers), embed [cur, drafts] and run its layers
     0 -> 1       HIDDEN [b, Γ+1, H], TOKENS int64 [b, Γ+1], INDICES int32 [b, k] (sparse methods)
-    s -> s+1     the same, after stage s's layers (every stage reads the same I_verify: it is layer-invariant)
+    s -> s+1     the same, after stage s's layers (every stage reads the same I_verify: it is layer-invariant; with
+                 in-pass selection the stage that owns a selection layer rewrites it in its pass and sends the new one)
     0 -> last    sampled rounds only: PROBS fp32 [b, Γ, V] (rejection sampling's q) and STATES, the generator
                  state(s) after drafting (one for the batch, or one per sampled slot)
     last         its layers, the logits, acceptance (greedy or rejection sampling, drawing from STATES)
-    last -> all  VERDICT int64 [2, b]: accepted counts and next tokens; -> 0: STATES after acceptance
+    last -> all  VERDICT int64 [2, b]: accepted counts and next tokens; -> 0: STATES after acceptance, and with
+                 in-pass selection CHOSEN int32 [b, k], the set the pass chose (after the prefill: SEED, round 1's)
     every rank   observes the verdict (the drafter's and the selector's hooks on rank 0, the target history on the
                  SRH stages), commits its own KV / state / Progress (commit_round), and decides identically whether
                  the micro-batch goes on; an SRH stage then scores S_target of the next round -> 0: S_TARGET
@@ -42,7 +44,7 @@ import torch
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.config import ConfigError, ModelConfig
-from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
+from trtllm_dustin.dustin_config import DustinConfig, LayerHeads, model_fingerprint
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.argmax import argmax_last
@@ -58,6 +60,7 @@ from trtllm_dustin.runtime.pipeline_stage import PipelineStage
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
+from trtllm_dustin.runtime.selectors import InPassSelector
 from trtllm_dustin.runtime.state import Observation, Progress, RoundState
 
 __all__ = ["PipelineDecoder", "PipelineSetup", "stage_layers"]
@@ -73,6 +76,8 @@ class _Tag(IntEnum):
     S_TARGET = 7
     PREFILL = 8
     FIRST = 9
+    SEED = 10  # in-pass selection: round 1's set, from the owner of the first selection layer to the first stage
+    CHOSEN = 11  # in-pass selection: the set the pass chose, from the last stage to the first
 
 
 def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -152,6 +157,7 @@ class _MicroBatch:
     state: RoundState  # lengths are the cache's seqlens
     capture: QueryCapture | None  # the verified tokens' queries of the SRH layers this stage owns (global keys)
     history: TargetHistory | None  # S_target of those layers
+    chooser: InPassSelector | None = None  # in-pass selection on a later stage that owns a selection layer (local)
     drafter: Drafter | None = None  # the first stage
     selector: Selector | None = None
     # the first stage: each SRH layer's S_target of the next round (received, or its own part's buffer) and their sum
@@ -247,6 +253,9 @@ class PipelineDecoder:
         # The SRH target layers whose S_target the first stage sums (config order); none without Dustin's split.
         self.srh_layers = tuple(lh.layer for lh in dustin.target_layers) \
             if variant is not None and self.split.reads_target(dustin) else ()
+        # In-pass selection: the selection layers (global) and the rank whose stage seeds round 1's set.
+        self.selection_layers = tuple(lh.layer for lh in dustin.selection_layers) if self.split.in_pass else ()
+        self.seeder = self.owner[self.selection_layers[0]] if self.selection_layers else None
         # The set's size k, as the registry gives it (methods._budget, and Dustin's own budget).
         self.budget = (dustin.budget if dustin is not None else setup.draft_budget) if self.spec.sparse else None
         stage.kernels = setup.kernels
@@ -271,12 +280,20 @@ class PipelineDecoder:
                                           device=self.device) for layer in history.layers}
             capture = QueryCapture(history.layers, queries)
         mb = _MicroBatch(slots, cache, state, capture, history)
+        owned = [lh for lh in setup.dustin.selection_layers if stage.owns(lh.layer)] if self.selection_layers else []
+        if owned and not stage.first:  # the first stage's own selector (the registry's) chooses there
+            local = replace(setup.dustin, selection_layers=tuple(LayerHeads(lh.layer - stage.start, lh.heads)
+                                                                 for lh in owned), selection_m=0, dense_layers=0)
+            mb.chooser = InPassSelector(local, cache, stage.config, None, pdl=setup.kernels.pdl)
         g1, long = self.gamma + 1, torch.long
         if not stage.first:
             mb.inbox[_Tag.HIDDEN] = torch.empty(b, g1, stage.config.hidden_size, dtype=self.dtype, device=self.device)
             mb.inbox[_Tag.TOKENS] = torch.empty(b, g1, dtype=long, device=self.device)
-            if self.budget is not None:
-                mb.inbox[_Tag.INDICES] = torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
+            if self.budget is not None:  # a chooser rewrites the received set in place, in its own buffer
+                mb.inbox[_Tag.INDICES] = mb.chooser.indices if mb.chooser is not None else \
+                    torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
+        elif self.selection_layers:
+            mb.inbox[_Tag.CHOSEN] = torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
         if not stage.last:
             mb.inbox[_Tag.VERDICT] = torch.empty(2, b, dtype=long, device=self.device)
         elif self.gamma:  # rejection sampling's q (read only by sampled rounds)
@@ -389,7 +406,8 @@ class PipelineDecoder:
         [n, V] (zeros elsewhere); the SRH stages' target history and the first stage's hooks are set."""
         stage = self.stage
         model = _ChunkThroughStage(stage, self.group, len(prompts))
-        layers = mb.history.layers if mb.history is not None else ()
+        owned = tuple(layer for layer in self.selection_layers[:1] if stage.owns(layer))  # the seeder's first layer
+        layers = tuple(sorted({*(mb.history.layers if mb.history is not None else ()), *owned}))
         job = PrefillJob(model, mb.cache, self.setup.backend, prompts, chunk, capture_layers=layers)
         logits, queries = job.run()
         n = len(prompts)
@@ -397,13 +415,23 @@ class PipelineDecoder:
         view = PrefillView(slice(0, n), prompts, lengths, dict(queries))
         if mb.history is not None:
             mb.history.on_prefill(view)
+        if mb.chooser is not None and self.seeder == stage.rank:  # round 1's set: chosen here, sent to the first
+            mb.chooser.on_prefill(replace(view, queries={owned[0] - stage.start: queries[owned[0]]}))
+            self.group.send(mb.chooser.indices[:n].clone(), 0, _Tag.SEED)
         if stage.first:
             draft_job = mb.drafter.prefill(slice(0, n), prompts, chunk)
             if draft_job is not None:
                 draft_job.run()
             hooks = replace(view, queries={})  # the first stage's drafter and selector read no target query
             mb.drafter.on_prefill(hooks)
-            mb.selector.on_prefill(hooks)
+            if not self.selection_layers:
+                mb.selector.on_prefill(hooks)
+            elif self.seeder == 0:  # it owns the first selection layer: its selector seeds the set itself
+                mb.selector.on_prefill(view)
+            else:
+                mb.selector.indices[:n] = self.group.recv(torch.empty(n, self.budget, dtype=torch.int32,
+                                                                      device=self.device), self.seeder, _Tag.SEED,
+                                                          "round 1's in-pass set")
         if stage.last and self.shared_vocab < logits.shape[-1]:
             logits[..., self.shared_vocab:] = float("-inf")
         return logits
@@ -448,7 +476,8 @@ class PipelineDecoder:
             mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
             if self.budget is not None:
                 mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
-        meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices)
+        in_pass = (mb.selector.in_pass if stage.first else mb.chooser) if self.selection_layers else None
+        meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
         out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
         if stage.last:
             self._accept(mb, out, sampled)
@@ -495,6 +524,8 @@ class PipelineDecoder:
         mb.verdict = torch.stack([verdict.accepted, verdict.next_tokens])  # [2, b]
         for rank in range(group.world - 1):
             group.send(mb.verdict, rank, _Tag.VERDICT)
+        if self.selection_layers:  # the first stage's next pre-pass and sparse draft start from the pass's choice
+            group.send(mb.indices.clone(), 0, _Tag.CHOSEN)
         if sampled:
             group.send(_generator_states(mb.sampling), 0, _Tag.STATES)
 
@@ -504,6 +535,9 @@ class PipelineDecoder:
         stage, group = self.stage, self.group
         if not stage.last:
             mb.verdict = group.recv(mb.inbox[_Tag.VERDICT], group.world - 1, _Tag.VERDICT, "the verdict")
+            if stage.first and self.selection_layers:  # mb.indices is the selector's buffer: both take the choice
+                mb.indices.copy_(group.recv(mb.inbox[_Tag.CHOSEN], group.world - 1, _Tag.CHOSEN,
+                                            "the set the pass chose"))
             if stage.first and not mb.sampling.all_greedy:
                 states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
                                     "the sampling generator state")

@@ -1,8 +1,12 @@
 """Which methods run pipeline-parallel, and how a sparse method's verification set is computed across stages.
 
 The set is layer-invariant by design (one I_verify per slot for every layer and head), so it is computed once per
-round, on the first stage, and travels with the hidden states. Dustin's estimate (selectors/dustin.py, Eq. 5-6)
-has two halves that live on different stages:
+round, on the first stage, and travels with the hidden states. In-pass selection (selectors/in_pass.py) chooses it
+inside the pass instead: the stage that owns a selection layer rewrites the set it received before its layer attends
+and sends the new one on; the last stage sends the final set back to the first, whose pre-pass and sparse draft start
+from it next round, and the owner of the first selection layer seeds round 1's set after the prefill.
+
+Dustin's estimate (selectors/dustin.py, Eq. 5-6) has two halves that live on different stages:
 
     S_draft   the draft's lookahead against the draft's keys: the first stage (it holds the draft)
     S_target  the target's history query against an SRH layer's keys: the stage that owns that layer
@@ -38,6 +42,7 @@ class PipelineMethod:
 
     dustin_variant: str | None = None  # Dustin's S_target is scored on the owning stages ("h", "t", "d"); None: the
     # selector (full verification, or a set from the lengths alone) runs whole on the first stage
+    in_pass: bool = False  # in-pass selection: the stage that owns a selection layer chooses and sends the set on
 
     def first_stage_config(self, dustin: DustinConfig) -> DustinConfig:
         """The Dustin config the first stage's selector is built from: its S_target half scores nothing there."""
@@ -57,6 +62,7 @@ PIPELINE_METHODS: dict[str, PipelineMethod] = {
     "vanilla": PipelineMethod(), "classic": PipelineMethod(), "magicdec": PipelineMethod(),
     "streamingllm": PipelineMethod(),  # its set follows the lengths alone: every stage has them, the first picks
     **{name: PipelineMethod(variant) for name, variant in _DUSTIN.items()},
+    "dustin-ip": PipelineMethod(in_pass=True), "dustin-ip-sparse-draft": PipelineMethod(in_pass=True),
 }
 _WHY_NOT = {
     "snapkv": "its prompt-time set reads the target's attention over the whole prompt on one process",
@@ -65,9 +71,10 @@ _WHY_NOT = {
     "dustin-h-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
     "dustin-t-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
     "dustin-h-adaptive": "it is an evaluation-only method",
-    **{name: "its set is chosen inside the verification pass, and the pipeline sends only a set chosen before it"
-       for name in ("dustin-ip", "dustin-ip-pages", "dustin-ip-sparse-draft", "dustin-ip-la", "dustin-ip-dense",
-                    "dustin-ip-longspark")},
+    "dustin-ip-pages": "its page key ranges live with the selection layer's keys, which the first stage may not hold",
+    "dustin-ip-la": "it is an evaluation-only method",
+    "dustin-ip-dense": "it is an evaluation-only method",
+    "dustin-ip-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
 }
 
 

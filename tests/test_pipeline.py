@@ -30,8 +30,8 @@ from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
 from trtllm_dustin.runtime.pipeline_selection import PIPELINE_METHODS, pipeline_method
 from trtllm_dustin.runtime.pipeline_stage import PipelineStage
 
-REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft"]
-EXTRA = ["dustin-t", "dustin-d", "streamingllm"]  # also split; greedy, 2 processes, one micro-batch
+REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "dustin-ip-sparse-draft"]
+EXTRA = ["dustin-t", "dustin-d", "streamingllm", "dustin-ip"]  # also split; greedy, 2 processes, one micro-batch
 MICRO = {2: 2, 3: 3}  # micro-batches of the micro-batched runs: one per stage keeps every stage busy
 
 

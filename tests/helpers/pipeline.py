@@ -34,9 +34,10 @@ GAMMA, S_MAX, BATCH = 3, 112, 4
 PROMPTS = [list(range(5, 5 + 60)), [9, 8, 7], list(range(100, 100 + 41)), [200 + i % 13 for i in range(47)]]
 # SRH target layers 1 and 2: on ranks 0 and 1 of 2 stages ([0, 2), [2, 3)), on ranks 1 and 2 of 3, so that S_target is
 # summed across stages and, with 3, the first stage owns none. k = 28 of up to 80 positions: the set really restricts.
+# The in-pass selection layer 1 is the first stage's of 2 and the middle one's of 3.
 DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)), LayerHeads(2, (1,))),
                       draft_layers=(LayerHeads(0, (1,)), LayerHeads(1, (2, 3))), budget=28, m=4, n_sink=4,
-                      n_recent=8, gamma=GAMMA)
+                      n_recent=8, gamma=GAMMA, selection_layers=(LayerHeads(1, tuple(range(6))),))
 CONFIGS = {"greedy": GenerationConfig(max_new_tokens=12, prefill_chunk=32),
            "sampled": GenerationConfig(max_new_tokens=12, prefill_chunk=32, sampling=SamplingParams(0.9, 0.9, seed=5))}
 
