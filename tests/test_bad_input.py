@@ -20,7 +20,8 @@ from trtllm_dustin.validation import RANGES, MethodFacts, method_facts
 E = "trtllm-dustin: error: "
 TINY = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "5"]
 PAIR = [*TINY, "--draft", "preset:tiny-llama-draft"]
-SPARSE = "dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, dustin-t-longspark"
+SPARSE = ("dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, dustin-ip, "
+          "dustin-ip-pages, dustin-ip-sparse-draft, dustin-t-longspark, dustin-ip-longspark")
 KERNELS = "(a round verifies gamma + 1 tokens and the kernels take at most 16)"
 DUSTIN_FIX = "write it with `trtllm-dustin search`"
 
@@ -28,7 +29,8 @@ DUSTIN_FIX = "write it with `trtllm-dustin search`"
 BEFORE_ANYTHING = [
     (["generate", "--method", "nosuch"], "trtllm-dustin generate: error: argument --method: invalid choice: 'nosuch' "
      "(choose from 'vanilla', 'classic', 'magicdec', 'dustin-h', 'dustin-t', 'dustin-d', 'dustin-h-sparse-draft', "
-     "'streamingllm', 'snapkv', 'quest', 'longspark', 'dustin-t-longspark'); see `trtllm-dustin generate --help`"),
+     "'streamingllm', 'snapkv', 'quest', 'dustin-ip', 'dustin-ip-pages', 'dustin-ip-sparse-draft', 'longspark', "
+     "'dustin-t-longspark', 'dustin-ip-longspark'); see `trtllm-dustin generate --help`"),
     (["generate", "--gamma", "x"], "trtllm-dustin generate: error: argument --gamma: invalid int value: 'x'; see "
      "`trtllm-dustin generate --help`"),
     (["generate", "--temperature", "nan"], E + "--temperature nan is not a finite number; pass a number >= 0 (0: "
@@ -103,7 +105,7 @@ BEFORE_WEIGHTS = [
      f"field target_layers[0].heads is 0 (a number); it must be a list; {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/typo.json"], E + "Dustin config {tmp}/typo.json: "
      "'bugdet' is not a field of DustinConfig (fields: target_layers, draft_layers, budget, m, n_sink, n_recent, "
-     f"gamma, target_fingerprint, draft_fingerprint); {DUSTIN_FIX}"),
+     f"gamma, target_fingerprint, draft_fingerprint, selection_layers, selection_m, dense_layers); {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/cut.json"], E + "Dustin config {tmp}/cut.json is not "
      f"valid JSON (Expecting ',' delimiter: line 2 column 1 (char 21)); {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/small.json"], E + "Dustin config {tmp}/small.json: "

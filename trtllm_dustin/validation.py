@@ -139,6 +139,8 @@ RANGES: dict[str, Range] = {
     "max_delta": _POSITIVE, "n_sink": _COUNT, "n_recent": _COUNT, "budgets": _POSITIVE, "deltas": _POSITIVE,
     "m": _COUNT, "kl_prompts": _COUNT, "kl_prompt_len": _POSITIVE, "kl_new_tokens": _POSITIVE, "kl_budget": _POSITIVE,
     "search_budgets": _POSITIVE, "phase2_share": _SHARE, "max_draft_layers": _POSITIVE, "trials": _POSITIVE,
+    # search-layers
+    "needle_windows": _COUNT, "lag": _POSITIVE, "max_layers": _POSITIVE, "min_gain": Range(0, real=True),
 }
 
 

@@ -143,6 +143,8 @@ class InPassSelector:
         """sinks + the m drafted positions + TopK(scores) over the rest of [n_sink, L_b - n_recent) + recent window,
         in the fixed layout; every position of [0, L_b) while L_b <= k."""
         cfg = self.cfg
+        if cfg.budget >= scores.shape[1]:  # every L_b < S_max fits: nothing to choose
+            return keep_all_indices(lengths, cfg.budget)
         length = lengths.long()[:, None]
         candidate = (self._positions >= cfg.n_sink) & (self._positions < length - cfg.n_recent)
         parts = [self._sinks.expand(lengths.shape[0], -1)]
@@ -184,6 +186,8 @@ class InPassSelector:
     def _top_drafted(self, s_draft: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The m best positions of [n_sink, L_b - n_recent) by s_draft, int64 [B, m]."""
         cfg = self.cfg
+        if cfg.budget >= s_draft.shape[1]:  # the set keeps everything (_assemble): no share to take
+            return self.drafted[: lengths.shape[0]]
         length = lengths.long()[:, None]
         candidate = (self._positions >= cfg.n_sink) & (self._positions < length - cfg.n_recent)
         return torch.topk(s_draft.masked_fill(~candidate, float("-inf")), self.m, dim=1, sorted=False).indices

@@ -383,23 +383,22 @@ def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--srh", type=Path, default=None,
                         help="the target's SRH JSON (`trtllm-dustin srh`): candidates also score on each layer's "
                         "retrieval heads (default: every head only)")
-    parser.add_argument("--needles", type=int, default=12,
-                        help="needle-in-a-haystack windows of the objective's needle recall, 0: none (default: "
-                        "%(default)s)")
+    parser.add_argument("--needle-windows", type=int, default=12,
+                        help="needle-in-a-haystack windows of the objective's needle recall, 0: none")
     parser.add_argument("--save-windows", type=Path, default=None,
                         help="write the token windows (text and needles, from the corpora) to this .npz and exit: a "
                         "machine without the corpora then searches with --windows")
     parser.add_argument("--windows", type=Path, default=None, help="the windows from --save-windows")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(InPassSettings.budgets),
-                        help="k of the objective's mean (default: %(default)s)")
+                        help="k of the objective's mean")
     parser.add_argument("--lag", type=int, default=InPassSettings.lag,
-                        help="steps between a round's choice and the next round's pre-pass (default: %(default)s)")
+                        help="steps between a round's choice and the next round's pre-pass")
     parser.add_argument("--max-layers", type=int, default=InPassSettings.max_layers,
-                        help="selection layers at most (default: %(default)s)")
+                        help="selection layers at most")
     parser.add_argument("--min-gain", type=float, default=InPassSettings.min_gain,
-                        help="objective a re-selection layer must add (default: %(default)s)")
+                        help="objective a re-selection layer must add")
     parser.add_argument("--split", default="train", choices=("train", "validation"),
-                        help="the corpora split the windows come from (default: %(default)s)")
+                        help="the corpora split the windows come from")
     _add_trace_arguments(parser)
 
 
@@ -443,7 +442,8 @@ def layers_command(args: argparse.Namespace) -> int:
         if target.tokenizer is None:
             raise ConfigError(f"the target {target.source} has no tokenizer; the windows need one")
         text = validation_windows(target.tokenizer, text_settings, split=args.split)
-        needles = (_needle_windows(target.tokenizer, args.window, args.needles, args.split) if args.needles
+        needles = (_needle_windows(target.tokenizer, args.window, args.needle_windows, args.split)
+                   if args.needle_windows
                    else ([], [], 0))
         if args.save_windows is not None:
             np.savez_compressed(args.save_windows, text=np.asarray([t for _, t in text], dtype=np.int32),
