@@ -32,13 +32,16 @@ from typing import Any
 
 from trtllm_dustin.config import ConfigError
 
-__all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "InputError", "MethodFacts", "Range", "Terms",
-           "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
+__all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
+           "Terms", "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
            "check_value", "method_facts", "read_json_object", "sparse_gather_bytes"]
 
 MAX_VERIFY_TOKENS = 16  # query tokens per sequence the decode kernels take (plugins/checks.py MAX_QUERY_TOKENS)
 MAX_GAMMA = MAX_VERIFY_TOKENS - 1  # a round verifies gamma + 1 tokens: the last committed one and gamma drafts
 MAX_SEED = 2**63 - 2  # the first token is sampled with seed + 1, which must fit an int64 generator seed
+# The attention sinks of a StreamingLLM set: MagicDec's draft window and the baselines' k without a Dustin config
+# (runtime/drafters/streaming_window.py, runtime/methods.py _budget) keep them and at least one recent position.
+STREAMING_SINKS = 4
 
 
 class InputError(ValueError):
@@ -126,7 +129,9 @@ RANGES: dict[str, Range] = {
     "seed": _SEED, "random_seed": _SEED,
     "gamma": Range(1, MAX_GAMMA, why=f"a round verifies gamma + 1 tokens and the kernels take at most "
                                      f"{MAX_VERIFY_TOKENS}"),
-    "draft_budget": _POSITIVE, "budget": _POSITIVE,
+    "draft_budget": Range(STREAMING_SINKS + 1, why=f"the {STREAMING_SINKS} attention sinks and at least one recent "
+                                                   "position"),
+    "budget": _POSITIVE,
     # serve
     "http_port": _PORT, "grpc_port": _PORT, "start_timeout": _SECONDS,
     # prepare-distill-data, train-draft, train-longspark
