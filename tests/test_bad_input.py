@@ -220,4 +220,12 @@ def test_the_streaming_sinks_are_the_runtimes() -> None:
 def test_the_registry_read_without_torch_is_the_registry() -> None:
     from trtllm_dustin.runtime.methods import METHODS
 
-    assert method_facts() == {name: MethodFacts(m.offered, m.speculative, m.sparse) for name, m in METHODS.items()}
+    assert method_facts() == {name: MethodFacts(m.offered, m.sparse) for name, m in METHODS.items()}
+
+
+def test_gamma_stops_where_the_kernels_do() -> None:
+    from trtllm_dustin.attention.triton import MAX_KERNEL_TOKENS
+    from trtllm_dustin.plugins.checks import MAX_QUERY_TOKENS
+    from trtllm_dustin.validation import MAX_GAMMA
+
+    assert MAX_GAMMA + 1 == MAX_QUERY_TOKENS == MAX_KERNEL_TOKENS

@@ -239,13 +239,12 @@ def check_fields(data: dict[str, Any], cls: type, source: str, fix: str, where: 
 def _check_type(value: Any, hint: Any, source: str, fix: str, where: str) -> None:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for option in args:
             try:
                 _check_type(value, option, source, fix, where)
                 return
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         raise ConfigError(f"{source}: field {where} is {_json_value(value)}; it must be "
                           f"{' or '.join(_kind(a) for a in args)}; {fix}")
     if dataclasses.is_dataclass(hint):
@@ -297,8 +296,7 @@ def _json_value(value: Any) -> str:
 class MethodFacts:
     """What the option checks need to know of a registered method."""
 
-    offered: bool
-    speculative: bool  # proposes draft tokens (takes --gamma)
+    offered: bool  # a user option (not evaluation only)
     sparse: bool  # verifies against a budget of k positions (takes --budget)
 
 
@@ -327,7 +325,7 @@ def method_facts() -> dict[str, MethodFacts] | None:
     return None
 
 
-_FLAGS = ("offered", "sparse", "needs_draft", "needs_longspark")
+_FLAGS = ("offered", "sparse")
 
 
 def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFacts] | None:
@@ -344,6 +342,5 @@ def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFact
                 if not isinstance(keyword.value, ast.Constant) or not isinstance(keyword.value.value, bool):
                     return None
                 flags[keyword.arg] = keyword.value.value
-        facts[key.value] = MethodFacts(offered=flags["offered"], sparse=flags["sparse"],
-                                       speculative=flags["needs_draft"] or flags["needs_longspark"])
+        facts[key.value] = MethodFacts(offered=flags["offered"], sparse=flags["sparse"])
     return facts
