@@ -9,7 +9,9 @@ the pair (no draft, full verification), whose round verifies the last token alon
 
 Every round runs all batch slots so the captured shapes never change; slots without a sequence are idle
 (state.py). The round has no host sync: the drafter's steps, the estimate, the selection and the verification are
-fixed-shape phases (CUDA graphs on the GPU) and the commit is one kernel.
+fixed-shape phases (CUDA graphs on the GPU) and the commit is one kernel. On the CPU, where nothing is captured and
+reading a tensor costs no sync, the verification computes only the busy slots' rows, up to their longest sequence
+(`_busy_rows`): a served request alone in a batch of idle slots then decodes at generate()'s rate.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ BEFORE_ANYTHING = [
     (["generate", "--seed", str(2**63)], E + "--seed 9223372036854775808 must be in 0..9223372036854775806; lower "
      "it"),
     (["generate", "--prompt-tokens", "0"], E + "--prompt-tokens 0 must be >= 1; raise it"),
-    (["generate", "--draft-budget", "0"], E + "--draft-budget 0 must be >= 1; raise it"),
+    (["generate", "--draft-budget", "4"], E + "--draft-budget 4 must be >= 5 (the 4 attention sinks and at least one "
+     "recent position); raise it"),
     (["generate", "--micro-batches", "0"], E + "--micro-batches 0 must be >= 1; raise it"),
     (["generate", "--pp-timeout", "nan"], E + "--pp-timeout nan is not a finite number; pass a number > 0"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], E + "--prompt-file /nonexistent/prompt.txt does not "
@@ -117,6 +118,8 @@ BEFORE_WEIGHTS = [
     ([*PAIR, "--method", "quest", "--max-new-tokens", "4", "--budget", "100"], E + "--budget 100 exceeds the KV "
      "cache's 12 positions; a sparse verification reads at most that many: lower it to <= 12 (a k that covers the "
      "whole context verifies in full)"),
+    ([*PAIR, "--method", "streamingllm", "--budget", "3"], E + "--budget 3 must be >= 5 (the 4 attention sinks and "
+     "at least one recent position); raise it"),  # without a Dustin config a baseline's k is its --draft-budget
     (["triton-repo", "--out", "{tmp}/repo", "--model", "preset:tiny-llama", "--max-seq-len", "64", "--budget", "32"],
      E + "--budget 32: no method here (vanilla) verifies against a budget k; drop --budget, or choose a sparse "
      "method (dustin-*, streamingllm, snapkv, quest)"),
@@ -207,7 +210,24 @@ def test_help_shows_every_default() -> None:
             assert "default" in shown and (action.default is None or value in shown), (name, shown)
 
 
+def test_the_streaming_sinks_are_the_runtimes() -> None:
+    import inspect
+
+    from trtllm_dustin.runtime.drafters.streaming_window import StreamingWindowView
+    from trtllm_dustin.validation import STREAMING_SINKS
+
+    assert inspect.signature(StreamingWindowView).parameters["n_sink"].default == STREAMING_SINKS
+
+
 def test_the_registry_read_without_torch_is_the_registry() -> None:
     from trtllm_dustin.runtime.methods import METHODS
 
-    assert method_facts() == {name: MethodFacts(m.offered, m.speculative, m.sparse) for name, m in METHODS.items()}
+    assert method_facts() == {name: MethodFacts(m.offered, m.sparse) for name, m in METHODS.items()}
+
+
+def test_gamma_stops_where_the_kernels_do() -> None:
+    from trtllm_dustin.attention.triton import MAX_KERNEL_TOKENS
+    from trtllm_dustin.plugins.checks import MAX_QUERY_TOKENS
+    from trtllm_dustin.validation import MAX_GAMMA
+
+    assert MAX_GAMMA + 1 == MAX_QUERY_TOKENS == MAX_KERNEL_TOKENS

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from trtllm_dustin.validation import (
     MAX_GAMMA,
+    RANGES,
     InputError,
     check_budget,
     check_generate_options,
@@ -918,6 +919,7 @@ def _baseline_budgets(args: argparse.Namespace, methods: list[str], dustin: Dust
         if "magicdec" in methods:
             raise InputError(f"--budget {budget}: without a Dustin config the baselines' k is --draft-budget, which is "
                              "also MagicDec's draft window here; pass --draft-budget or a --dustin-config instead")
+        RANGES["draft_budget"].check("budget", budget)  # it becomes their --draft-budget
         args.draft_budget = budget
     k, source = (dustin.budget, "the Dustin config's") if dustin is not None else \
         (args.draft_budget, "--budget" if budget is not None else "--draft-budget, without a Dustin config")

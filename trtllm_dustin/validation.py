@@ -32,13 +32,16 @@ from typing import Any
 
 from trtllm_dustin.config import ConfigError
 
-__all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "InputError", "MethodFacts", "Range", "Terms",
-           "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
+__all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
+           "Terms", "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
            "check_value", "method_facts", "read_json_object", "sparse_gather_bytes"]
 
 MAX_VERIFY_TOKENS = 16  # query tokens per sequence the decode kernels take (plugins/checks.py MAX_QUERY_TOKENS)
 MAX_GAMMA = MAX_VERIFY_TOKENS - 1  # a round verifies gamma + 1 tokens: the last committed one and gamma drafts
 MAX_SEED = 2**63 - 2  # the first token is sampled with seed + 1, which must fit an int64 generator seed
+# The attention sinks of a StreamingLLM set: MagicDec's draft window and the baselines' k without a Dustin config
+# (runtime/drafters/streaming_window.py, runtime/methods.py _budget) keep them and at least one recent position.
+STREAMING_SINKS = 4
 
 
 class InputError(ValueError):
@@ -126,7 +129,9 @@ RANGES: dict[str, Range] = {
     "seed": _SEED, "random_seed": _SEED,
     "gamma": Range(1, MAX_GAMMA, why=f"a round verifies gamma + 1 tokens and the kernels take at most "
                                      f"{MAX_VERIFY_TOKENS}"),
-    "draft_budget": _POSITIVE, "budget": _POSITIVE,
+    "draft_budget": Range(STREAMING_SINKS + 1, why=f"the {STREAMING_SINKS} attention sinks and at least one recent "
+                                                   "position"),
+    "budget": _POSITIVE,
     # serve
     "http_port": _PORT, "grpc_port": _PORT, "start_timeout": _SECONDS,
     # prepare-distill-data, train-draft, train-longspark
@@ -236,13 +241,12 @@ def check_fields(data: dict[str, Any], cls: type, source: str, fix: str, where: 
 def _check_type(value: Any, hint: Any, source: str, fix: str, where: str) -> None:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for option in args:
             try:
                 _check_type(value, option, source, fix, where)
                 return
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         raise ConfigError(f"{source}: field {where} is {_json_value(value)}; it must be "
                           f"{' or '.join(_kind(a) for a in args)}; {fix}")
     if dataclasses.is_dataclass(hint):
@@ -294,8 +298,7 @@ def _json_value(value: Any) -> str:
 class MethodFacts:
     """What the option checks need to know of a registered method."""
 
-    offered: bool
-    speculative: bool  # proposes draft tokens (takes --gamma)
+    offered: bool  # a user option (not evaluation only)
     sparse: bool  # verifies against a budget of k positions (takes --budget)
 
 
@@ -324,7 +327,7 @@ def method_facts() -> dict[str, MethodFacts] | None:
     return None
 
 
-_FLAGS = ("offered", "sparse", "needs_draft", "needs_longspark")
+_FLAGS = ("offered", "sparse")
 
 
 def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFacts] | None:
@@ -341,6 +344,5 @@ def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFact
                 if not isinstance(keyword.value, ast.Constant) or not isinstance(keyword.value.value, bool):
                     return None
                 flags[keyword.arg] = keyword.value.value
-        facts[key.value] = MethodFacts(offered=flags["offered"], sparse=flags["sparse"],
-                                       speculative=flags["needs_draft"] or flags["needs_longspark"])
+        facts[key.value] = MethodFacts(offered=flags["offered"], sparse=flags["sparse"])
     return facts
