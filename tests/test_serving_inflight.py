@@ -261,7 +261,7 @@ def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:
 
 
 @pytest.mark.parametrize("request_, message", [
-    (GenerationRequest("abc", 0), r"max_tokens=0 must be in 1\.\.2147483647"),
+    (GenerationRequest("abc", 0), r"max_tokens=0 must be in 1..2147483647 \(an INT32"),
     (GenerationRequest("abc", 4, method="medusa"), "method 'medusa' is not served by this model; choose one of"),
     (GenerationRequest("a" * 90, 10), r"max_tokens=10 does not fit: this model holds 96 positions per request, 3 of "
      r"them kept free for a round's draft tokens, and text_input takes 90; send max_tokens <= 3"),
