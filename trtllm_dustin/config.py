@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from trtllm_dustin.errors import ConfigError
+from trtllm_dustin.validation import read_versioned, versioned_json
 
 __all__ = ["SCHEMA_VERSION", "ConfigError", "ModelConfig", "RopeScaling"]
 
@@ -12,10 +14,6 @@ SCHEMA_VERSION = 1
 
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
 HF_HEAD_KEY = "dustin_head_vocab_size"  # our key in a checkpoint's config.json: rows of a subset output head
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range, inconsistent or unsupported."""
 
 
 @dataclass(frozen=True)
@@ -128,14 +126,11 @@ class ModelConfig:
         return replace(self, **changes)
 
     def to_json(self) -> str:
-        return json.dumps({"schema_version": SCHEMA_VERSION, **asdict(self)}, indent=2)
+        return versioned_json(SCHEMA_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        data = json.loads(text)
-        version = data.pop("schema_version", None)
-        if version != SCHEMA_VERSION:
-            raise ConfigError(f"model config schema_version {version} is not {SCHEMA_VERSION}; rebuild the config")
+        data = read_versioned(text, (SCHEMA_VERSION,), "model config", "rebuild the config")
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
         return cls(**data)
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from trtllm_dustin.config import ConfigError, ModelConfig
-from trtllm_dustin.validation import check_fields, read_json_object
+from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
 
@@ -121,22 +121,13 @@ class DustinConfig:
                     raise ConfigError(f"{side} layer {lh.layer} heads {bad} do not exist ({model.num_heads} heads)")
 
     def to_json(self) -> str:
-        return json.dumps({"schema_version": DUSTIN_SCHEMA_VERSION, **asdict(self)}, indent=2)
+        return versioned_json(DUSTIN_SCHEMA_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, text: str, source: str = "the Dustin config") -> DustinConfig:
         """source: what the message calls the text (load: the file)."""
-        fix = "write it with `trtllm-dustin search`"
-        data = read_json_object(text, source, fix)
-        version = data.pop("schema_version", None)
-        if version not in READABLE_SCHEMA_VERSIONS:
-            raise ConfigError(f"{source}: schema_version {version} is not one of {READABLE_SCHEMA_VERSIONS}; re-run "
-                              "`trtllm-dustin search`")
-        check_fields(data, cls, source, fix)
-        try:
-            return cls(**data)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}; {fix}") from None
+        return load_versioned(cls, text, READABLE_SCHEMA_VERSIONS, source, "write it with `trtllm-dustin search`",
+                              version_fix="re-run `trtllm-dustin search`")
 
     @classmethod
     def load(cls, path: str | Path) -> DustinConfig:

@@ -9,6 +9,8 @@ sent it: `--top-p 2.0` on the command line, `top_p=2.0` in a request (`Terms`).
     check_budget(...)            a sparse method's k against the cache it reads
     sparse_gather_bytes(...)     the memory a sparse verification gathers at k (the CPU path's)
     read_json_object(...)        a config file: valid JSON, an object, its fields those of the dataclass it fills
+    load_versioned(...)          a versioned config file (read_versioned, check_fields) as its dataclass;
+                                 versioned_json writes one
     method_facts()               the method registry's names and kinds, read without importing it (torch)
 
 The checks that need a model's config (positions, memory) run after the configs are opened and before any weight
@@ -28,13 +30,16 @@ from argparse import Namespace
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from trtllm_dustin.config import ConfigError
+from trtllm_dustin.errors import ConfigError
 
 __all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
            "Terms", "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
-           "check_value", "method_facts", "read_json_object", "sparse_gather_bytes"]
+           "check_value", "load_versioned", "method_facts", "read_json_object", "read_versioned",
+           "sparse_gather_bytes", "versioned_json"]
+
+T = TypeVar("T")
 
 MAX_VERIFY_TOKENS = 16  # query tokens per sequence the decode kernels take (plugins/checks.py MAX_QUERY_TOKENS)
 MAX_GAMMA = MAX_VERIFY_TOKENS - 1  # a round verifies gamma + 1 tokens: the last committed one and gamma drafts
@@ -219,6 +224,35 @@ def read_json_object(text: str, source: str, fix: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{source} holds a JSON {_json_kind(data)}, not an object of fields; {fix}")
     return data
+
+
+def versioned_json(version: int, fields: Mapping[str, Any], indent: int = 2) -> str:
+    """A config's fields as the JSON object its reader takes: `schema_version` first, then the fields."""
+    return json.dumps({"schema_version": version, **fields}, indent=indent)
+
+
+def read_versioned(text: str, versions: tuple[int, ...], source: str, fix: str,
+                   version_fix: str | None = None) -> dict[str, Any]:
+    """The fields of a versioned config file (`schema_version` taken out), refusing a version not in `versions`;
+    ConfigError naming the file (`source`) and `fix` (`version_fix` for another version, if given) otherwise."""
+    data = read_json_object(text, source, fix)
+    version = data.pop("schema_version", None)
+    if version not in versions:
+        expected = versions[0] if len(versions) == 1 else f"one of {versions}"
+        raise ConfigError(f"{source}: schema_version {version} is not {expected}; {version_fix or fix}")
+    return data
+
+
+def load_versioned(cls: type[T], text: str, versions: tuple[int, ...], source: str, fix: str,
+                   version_fix: str | None = None) -> T:
+    """The dataclass `cls` a versioned config file holds, its fields checked (check_fields) before `cls` checks
+    their values; every ConfigError names the file (`source`) and `fix`."""
+    data = read_versioned(text, versions, source, fix, version_fix)
+    check_fields(data, cls, source, fix)
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}; {fix}") from None
 
 
 def check_fields(data: dict[str, Any], cls: type, source: str, fix: str, where: str = "") -> None:

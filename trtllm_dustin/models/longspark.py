@@ -36,7 +36,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.decoder import Block, RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
-from trtllm_dustin.validation import check_fields, read_json_object
+from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_LONGSPARK", "LONGSPARK_SCHEMA_VERSION", "LongSpark", "LongSparkConfig", "default_longspark_path",
            "load_longspark", "longspark_config", "longspark_directory", "random_longspark", "spread_layers",
@@ -83,21 +83,13 @@ class LongSparkConfig:
                               "for it with `trtllm-dustin train-longspark`")
 
     def to_json(self) -> str:
-        return json.dumps({"schema_version": LONGSPARK_SCHEMA_VERSION, **asdict(self)}, indent=2)
+        return versioned_json(LONGSPARK_SCHEMA_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, text: str, source: str = "the LongSpark config") -> LongSparkConfig:
         """source: what the message calls the text (the checkpoint's config.json)."""
-        fix = "retrain it with `trtllm-dustin train-longspark`"
-        data = read_json_object(text, source, fix)
-        version = data.pop("schema_version", None)
-        if version != LONGSPARK_SCHEMA_VERSION:
-            raise ConfigError(f"{source}: schema_version {version} is not {LONGSPARK_SCHEMA_VERSION}; {fix}")
-        check_fields(data, cls, source, fix)
-        try:
-            return cls(**data)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}; {fix}") from None
+        return load_versioned(cls, text, (LONGSPARK_SCHEMA_VERSION,), source,
+                              "retrain it with `trtllm-dustin train-longspark`")
 
 
 # ---- the global summary ----------------------------------------------------------------------------------------

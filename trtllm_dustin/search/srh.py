@@ -9,7 +9,6 @@ prompt's last token for the first), so the mass is read from that step's capture
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -28,6 +27,7 @@ from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.search.attention_probe import head_attention
 from trtllm_dustin.search.needle_haystack import NEEDLES, NeedlePrompt, build_prompt, decode, haystack_tokens
 from trtllm_dustin.search.rouge import rouge1_recall
+from trtllm_dustin.validation import read_versioned, versioned_json
 
 __all__ = [
     "SRH_SCHEMA_VERSION",
@@ -132,20 +132,17 @@ class SRHResult:
 
     def to_json(self) -> str:
         scores = self.scores()
-        payload = {"schema_version": SRH_SCHEMA_VERSION, "model": self.model, "fingerprint": self.fingerprint,
+        payload = {"model": self.model, "fingerprint": self.fingerprint,
                    "note": self.note, "provenance": self.provenance, "settings": asdict(self.settings),
                    "counted_tests": self.counted, "total_tests": len(self.tests),
                    "layers": [asdict(lh) for lh in self.layers],
                    "head_scores": [[None if math.isnan(x) else round(x, 6) for x in row] for row in scores.tolist()],
                    "tests": [asdict(t) for t in self.tests]}
-        return json.dumps(payload, indent=1)
+        return versioned_json(SRH_SCHEMA_VERSION, payload, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> SRHResult:
-        data = json.loads(text)
-        version = data.pop("schema_version", None)
-        if version != SRH_SCHEMA_VERSION:
-            raise ConfigError(f"SRH file schema_version {version} is not {SRH_SCHEMA_VERSION}; re-run SRH profiling")
+        data = read_versioned(text, (SRH_SCHEMA_VERSION,), "SRH file", "re-run SRH profiling")
         for derived in ("counted_tests", "total_tests", "layers", "head_scores"):
             data.pop(derived)
         return cls(**data)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
-from trtllm_dustin.validation import check_fields, read_json_object
+from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
 
@@ -99,22 +98,13 @@ class ServingConfig:
         return replace(self, **changes)
 
     def to_json(self) -> str:
-        data = asdict(self)
-        return json.dumps({"schema_version": SERVING_SCHEMA_VERSION, **data}, indent=2)
+        return versioned_json(SERVING_SCHEMA_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, text: str, source: str = "the serving config") -> ServingConfig:
         """source: what the message calls the text (load: the file)."""
-        fix = "regenerate the repository with `trtllm-dustin triton-repo`"
-        data = read_json_object(text, source, fix)
-        version = data.pop("schema_version", None)
-        if version != SERVING_SCHEMA_VERSION:
-            raise ConfigError(f"{source}: schema_version {version} is not {SERVING_SCHEMA_VERSION}; {fix}")
-        check_fields(data, cls, source, fix)
-        try:
-            return cls(**data)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+        return load_versioned(cls, text, (SERVING_SCHEMA_VERSION,), source,
+                              "regenerate the repository with `trtllm-dustin triton-repo`")
 
     @classmethod
     def load(cls, path: str | Path) -> ServingConfig:
