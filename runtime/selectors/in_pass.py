@@ -139,6 +139,10 @@ class InPassSelector:
         self._fixed_m = torch.full((slots,), self.m, dtype=torch.long, device=device)
 
     # ---- the set's parts ------------------------------------------------------------------------------------------
+    def _candidates(self, lengths: torch.Tensor) -> torch.Tensor:
+        """bool [n, S]: the positions the choice may take, [n_sink, L_b - n_recent) (sinks and recent are kept)."""
+        return (self._positions >= self.cfg.n_sink) & (self._positions < lengths.long()[:, None] - self.cfg.n_recent)
+
     def _assemble(self, lengths: torch.Tensor, scores: torch.Tensor, drafted: torch.Tensor | None) -> torch.Tensor:
         """sinks + the m drafted positions + TopK(scores) over the rest of [n_sink, L_b - n_recent) + recent window,
         in the fixed layout; every position of [0, L_b) while L_b <= k."""
@@ -146,7 +150,7 @@ class InPassSelector:
         if cfg.budget >= scores.shape[1]:  # every L_b < S_max fits: nothing to choose
             return keep_all_indices(lengths, cfg.budget)
         length = lengths.long()[:, None]
-        candidate = (self._positions >= cfg.n_sink) & (self._positions < length - cfg.n_recent)
+        candidate = self._candidates(lengths)
         parts = [self._sinks.expand(lengths.shape[0], -1)]
         if drafted is not None:
             candidate = candidate.scatter(1, drafted, False)
@@ -188,8 +192,7 @@ class InPassSelector:
         cfg = self.cfg
         if cfg.budget >= s_draft.shape[1]:  # the set keeps everything (_assemble): no share to take
             return self.drafted[: lengths.shape[0]]
-        length = lengths.long()[:, None]
-        candidate = (self._positions >= cfg.n_sink) & (self._positions < length - cfg.n_recent)
+        candidate = self._candidates(lengths)
         return torch.topk(s_draft.masked_fill(~candidate, float("-inf")), self.m, dim=1, sorted=False).indices
 
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor | None:
