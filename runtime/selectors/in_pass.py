@@ -124,7 +124,6 @@ class InPassSelector:
         self._positions = torch.arange(s_max, device=device)[None, :]  # [1, S]
         self._sinks = torch.arange(config.n_sink, device=device)[None, :]
         self._recent = torch.arange(config.n_recent, device=device)[None, :] - config.n_recent
-        self._rows = torch.arange(slots, device=device)[:, None]
         pages_per_seq = -(-s_max // PAGE)
         # pages: each selection layer's per-page key range, fp32 [B, H_kv, P, D] (min, max)
         self.key_range = {layer: (torch.zeros(slots, target.num_kv_heads, pages_per_seq, target.head_dim,
