@@ -256,6 +256,12 @@ class PipelineDecoder:
         # In-pass selection: the selection layers (global) and the rank whose stage seeds round 1's set.
         self.selection_layers = tuple(lh.layer for lh in dustin.selection_layers) if self.split.in_pass else ()
         self.seeder = self.owner[self.selection_layers[0]] if self.selection_layers else None
+        stray = [lh.layer for lh in dustin.pool_layers if self.owner[lh.layer] != self.seeder] \
+            if self.selection_layers else []
+        if stray:
+            raise ConfigError(f"pipeline: pooled layers {stray} of the Dustin config lie on another stage than the "
+                              f"first selection layer {self.selection_layers[0]} (rank {self.seeder}), whose choice "
+                              "sums their scores; split the layers so that one stage holds them, or drop pool_layers")
         # The set's size k, as the registry gives it (methods._budget, and Dustin's own budget).
         self.budget = (dustin.budget if dustin is not None else setup.draft_budget) if self.spec.sparse else None
         stage.kernels = setup.kernels
@@ -282,8 +288,10 @@ class PipelineDecoder:
         mb = _MicroBatch(slots, cache, state, capture, history)
         owned = [lh for lh in setup.dustin.selection_layers if stage.owns(lh.layer)] if self.selection_layers else []
         if owned and not stage.first:  # the first stage's own selector (the registry's) chooses there
+            pool = setup.dustin.pool_layers if owned[0].layer == self.selection_layers[0] else ()
             local = replace(setup.dustin, selection_layers=tuple(LayerHeads(lh.layer - stage.start, lh.heads)
-                                                                 for lh in owned), selection_m=0, dense_layers=0)
+                                                                 for lh in owned), selection_m=0, dense_layers=0,
+                            pool_layers=tuple(LayerHeads(lh.layer - stage.start, lh.heads) for lh in pool))
             mb.chooser = InPassSelector(local, cache, stage.config, None, pdl=setup.kernels.pdl)
         g1, long = self.gamma + 1, torch.long
         if not stage.first:

@@ -202,6 +202,58 @@ def test_a_re_selection_layer_chooses_from_its_own_queries(env) -> None:
         assert sorted(final[b].tolist()) == sorted([0, 1, 2, 3, *top, *range(n - 8, n)])
 
 
+def test_a_pooled_layer_adds_its_scores_to_the_choice(env) -> None:
+    """pool_layers (0) score their own verified queries as the pass goes; selection layer 2 chooses from its scores
+    plus theirs (float64 reference), and the set the layers read is unchanged until layer 2."""
+    config = replace(dustin_config(budget=28, m=4, n_recent=8), selection_layers=(LayerHeads(2, (1, 3)),),
+                     pool_layers=(LayerHeads(0, (0, 5)),))
+    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
+    selector = decoder.selector
+    calls = []
+    original = selector.choose
+
+    def spy(layer, q, k_cache, lengths):
+        before = selector.indices.clone()
+        original(layer, q, k_cache, lengths)
+        calls.append((layer, before, selector.indices.clone(), q.clone()))
+
+    selector.choose = spy
+    with torch.inference_mode():
+        L = decoder.state.lengths
+        decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
+    assert [layer for layer, *_ in calls] == [0, 2]
+    assert torch.equal(calls[0][1], calls[0][2])  # the pooled layer only scores
+    (_, _, _, q0), (_, _, final, q2) = calls
+    for b in range(len(PROMPTS)):
+        n = int(L[b])
+        if n <= 28:
+            continue
+        scores = (_true_scores(q0[b].cpu(), decoder.cache.k[0][b].cpu(), n, (0, 5))
+                  + _true_scores(q2[b].cpu(), decoder.cache.k[2][b].cpu(), n, (1, 3)))
+        top = sorted(range(4, n - 8), key=lambda j: -float(scores[j]))[:28 - 12]
+        assert sorted(final[b].tolist()) == sorted([0, 1, 2, 3, *top, *range(n - 8, n)])
+
+
+def test_pool_layers_are_checked() -> None:
+    from trtllm_dustin.config import ConfigError
+
+    base = dustin_config(budget=28, m=4, n_recent=8)
+    for pool, selection in (((LayerHeads(1, (0,)),), (LayerHeads(1, (0,)),)),  # not below the selection layer
+                            ((LayerHeads(0, (0,)),), ())):  # pooling without a selection layer
+        with pytest.raises(ConfigError, match="pool_layers"):
+            replace(base, selection_layers=selection, pool_layers=pool)
+    with pytest.raises(ConfigError, match="pool_layers"):
+        replace(base, selection_layers=(LayerHeads(2, (0,)),), pool_layers=(LayerHeads(1, (0,)), LayerHeads(0, (0,))))
+    pooled = replace(base, selection_layers=(LayerHeads(2, (0,)),), pool_layers=(LayerHeads(0, (1, 2)),))
+    assert DustinConfig.from_json(pooled.to_json()) == pooled
+    import json
+
+    older = json.loads(base.to_json())
+    older["schema_version"] = 2
+    del older["pool_layers"]
+    assert DustinConfig.from_json(json.dumps(older)) == base  # a version-2 file reads as a config without pooling
+
+
 # ---- decoding --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", IN_PASS)
 def test_budget_over_every_length_equals_vanilla(env, vanilla_tokens, method: str) -> None:
@@ -298,3 +350,31 @@ def test_needle_recall_counts_the_needle_tokens_in_every_layers_set() -> None:
     direct = sum(len(set(sets[r].tolist()) & set(range(a, b))) / (b - a)
                  for sets in reads for r, (a, b) in enumerate(rows.tolist())) / (len(reads) * len(rows))
     assert got == pytest.approx(direct) and got < 1.0
+
+
+def test_phase_c_pools_the_layer_that_holds_the_rest_of_the_truth() -> None:
+    """The truth is the sum of layer 1's and layer 0's verification attention (layer 1 the larger part): phase A
+    chooses layer 1, phase C pools layer 0 (the sum is the truth), and nothing else gains."""
+    torch.manual_seed(3)
+    trace, base = _synthetic_trace(4, peaked=1)
+    s = trace.settings
+    other = torch.rand_like(base) ** 8
+    trace.target_maps[0] = other
+    for layer in (2, 3):
+        trace.target_maps[layer] = torch.rand_like(base)
+    context = torch.arange(s.window)[None, :] < trace.seqlens.long()[:, None]
+
+    def window(maps: torch.Tensor) -> torch.Tensor:
+        return sum(maps[:, s.max_delta + t: s.max_delta + t + s.steps] for t in range(s.gamma + 1)).reshape(
+            -1, s.window) * context
+
+    truth = 0.6 * window(base) / window(base).sum(-1, keepdim=True) + 0.4 * window(other) / window(other).sum(
+        -1, keepdim=True)
+    trace.truth_by_layer.copy_(truth[None].expand_as(trace.truth_by_layer))
+    objective = InPassObjective(SearchTraces(trace), InPassSettings(budgets=(24, 32), lag=2, max_layers=1,
+                                                                    n_recent=8))
+    outcome = search_selection_layers(objective, progress=False)
+    assert outcome.layers == ((1, "all"),) and outcome.pool == ((0, "all"),)
+    assert outcome.value == pytest.approx(objective.mean([(1, "all")], [(0, "all")]))
+    assert outcome.value > outcome.phase_a[(1, "all")] + 0.002
+    assert outcome.to_dict()["pool"] == [{"layer": 0, "heads": "all"}]

@@ -13,8 +13,8 @@ from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
 
-DUSTIN_SCHEMA_VERSION = 2  # 2: the in-pass selection fields (selection_layers, selection_m, dense_layers)
-READABLE_SCHEMA_VERSIONS = (1, 2)  # a version-1 file is a config without in-pass selection
+DUSTIN_SCHEMA_VERSION = 3  # 2: in-pass selection (selection_layers, selection_m, dense_layers); 3: pool_layers
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # a version-1 file is a config without in-pass selection, 2 one without pooling
 VARIANTS = ("h", "t", "d")  # hybrid (Eq. 6), target history only, draft lookahead only
 
 
@@ -57,9 +57,12 @@ class DustinConfig:
     selection_layers: tuple[LayerHeads, ...] = ()
     selection_m: int = 0  # in-pass: positions taken by the draft's lookahead (S_draft, Eq. 5) beside the pass's own
     dense_layers: int = 0  # in-pass: the first layers verified in full (else they read the previous round's set)
+    # in-pass: earlier layers whose verification queries' scores (Eq. 5 on the listed heads) are summed into the first
+    # selection layer's before it chooses (the search's phase C)
+    pool_layers: tuple[LayerHeads, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("target_layers", "draft_layers", "selection_layers"):
+        for name in ("target_layers", "draft_layers", "selection_layers", "pool_layers"):
             object.__setattr__(self, name, tuple(x if isinstance(x, LayerHeads) else LayerHeads(**x)
                                                  for x in getattr(self, name)))
         protected = self.n_sink + self.n_recent
@@ -80,6 +83,10 @@ class DustinConfig:
         if self.dense_layers < 0 or (layers and self.dense_layers > layers[0]):
             raise ConfigError(f"dense_layers={self.dense_layers} must be in [0, the first selection layer "
                               f"{layers[0] if layers else 0}]: the layers after it read the chosen set")
+        pooled = [lh.layer for lh in self.pool_layers]
+        if pooled and (not layers or pooled != sorted(set(pooled)) or pooled[-1] >= layers[0]):
+            raise ConfigError(f"pool_layers {pooled} must be distinct, ascending and below the first selection layer "
+                              f"{layers[0] if layers else '(none: pooling needs selection_layers)'}")
 
     def with_budget(self, budget: int) -> DustinConfig:
         """This config at another budget k, m carried over as the same share of the free slots (k - sinks - recent);
@@ -106,7 +113,8 @@ class DustinConfig:
     def check_models(self, target: ModelConfig, draft: ModelConfig | None) -> None:
         """Refuse a config whose layers/heads do not exist in these models or that was searched for others (draft
         None: check the target side only, for a drafter that is not the searched draft model)."""
-        sides = [("target", self.target_layers + self.selection_layers, target, self.target_fingerprint)]
+        in_pass = self.selection_layers + self.pool_layers
+        sides = [("target", self.target_layers + in_pass, target, self.target_fingerprint)]
         if draft is not None:
             sides.append(("draft", self.draft_layers, draft, self.draft_fingerprint))
         for side, layers, model, fingerprint in sides:

@@ -151,6 +151,7 @@ RANGES: dict[str, Range] = {
     "search_budgets": _POSITIVE, "phase2_share": _SHARE, "max_draft_layers": _POSITIVE, "trials": _POSITIVE,
     # search-layers
     "needle_windows": _COUNT, "lag": _POSITIVE, "max_layers": _POSITIVE, "min_gain": Range(0, real=True),
+    "max_pool": _COUNT,
 }
 
 

@@ -10,6 +10,10 @@ set is chosen inside the verification forward, from the queries that are being v
              the Γ + 1 verified queries at L_b .. L_b + Γ, normalised over their causal range; the set becomes
              4 sinks + TopK_free(S_l) + the 16 recent positions, which layer l and the following layers read. A later
              selection layer chooses again from its own queries.
+  pool       the config's `pool_layers` (below the first selection layer) score their own verification queries on
+             their heads as the pass goes through them; the first selection layer adds its scores to theirs and
+             chooses from the sum (the oracle's set sums every layer's attention; pooling approaches it at one
+             scoring pass per pooled layer)
   pages      (Quest style) the same with S_l from page bounds: per 16-key page the upper bound
              sum_d max(q_d min_d, q_d max_d) of q.k (Quest), as q+ . max + q- . min, a softmax over the pages per head,
              summed over heads and queries; a page's score is each of its positions' score, so the top-k takes whole
@@ -112,8 +116,12 @@ class InPassSelector:
         self.budget = config.budget
         self.layers: dict[int, LayerHeads] = {lh.layer: lh for lh in config.selection_layers}
         self.first = config.selection_layers[0].layer
+        self.pool: dict[int, LayerHeads] = {lh.layer: lh for lh in config.pool_layers}
+        if self.pool and pages:
+            raise ConfigError("in-pass selection by page bounds does not pool layers; remove pool_layers from the "
+                              "Dustin config or use exact scores")
         self.dense_layers = frozenset(range(config.dense_layers if dense_layers is None else dense_layers))
-        self.selection_layers = frozenset(self.layers)
+        self.selection_layers = frozenset(self.layers) | frozenset(self.pool)  # the pass calls `choose` there
         self.in_pass = self  # the verification pass calls `choose` at the selection layers
         self.target_query_layers = (self.first,)  # the prompt's last query seeds round 1's set
         slots, s_max, device = cache.batch_slots, cache.max_seq_len, cache.seqlens.device
@@ -162,11 +170,12 @@ class InPassSelector:
 
     def _score(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor,
                rows: slice = slice(None)) -> torch.Tensor:
-        """S_l over [0, L_b) of the slots `rows` from their queries q [n, T, H_q, D] at L_b + t: exact Eq. 5, or the
-        page bounds."""
+        """S_l over [0, L_b) of the slots `rows` from their queries q [n, T, H_q, D] at L_b + t: exact Eq. 5 (at the
+        first selection layer added to the pooled layers' scores), or the page bounds."""
         out = self.scores[rows]
         if not self.pages:
-            return srh_score(q, k_cache, lengths, self.layers[layer].heads, out=out, pdl=self.pdl)
+            pooled = layer == self.first and bool(self.pool)
+            return srh_score(q, k_cache, lengths, self.layers[layer].heads, out=out, accumulate=pooled, pdl=self.pdl)
         k_min, k_max = self.key_range[layer]
         page_scores = page_bounds(q, k_min[rows], k_max[rows], lengths, self._head_weights[layer])  # [n, P]
         expanded = page_scores.repeat_interleave(PAGE, dim=1)[:, : out.shape[1]]
@@ -238,7 +247,11 @@ class InPassSelector:
         return _Rows(self, rows)
 
     def _choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, rows: slice) -> None:
-        """choose for the slots `rows` (q, k_cache and lengths hold those slots only)."""
+        """choose for the slots `rows` (q, k_cache and lengths hold those slots only); a pooled layer only scores."""
+        if layer in self.pool:
+            srh_score(q, k_cache, lengths, self.pool[layer].heads, out=self.scores[rows],
+                      accumulate=layer != min(self.pool), pdl=self.pdl)
+            return
         scores = self._score(layer, q, k_cache, lengths, rows)
         self.indices[rows] = self._assemble(lengths, scores, self.drafted[rows] if self.m else None)
 

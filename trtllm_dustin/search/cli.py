@@ -396,7 +396,10 @@ def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-layers", type=int, default=InPassSettings.max_layers,
                         help="selection layers at most")
     parser.add_argument("--min-gain", type=float, default=InPassSettings.min_gain,
-                        help="objective a re-selection layer must add")
+                        help="objective a re-selection or pooled layer must add")
+    parser.add_argument("--max-pool", type=int, default=InPassSettings.max_pool,
+                        help="pooled layers (phase C: scored below the first selection layer, summed into its choice) "
+                        "at most, 0: no pooling")
     parser.add_argument("--split", default="train", choices=("train", "validation"),
                         help="the corpora split the windows come from")
     _add_trace_arguments(parser)
@@ -433,7 +436,8 @@ def layers_command(args: argparse.Namespace) -> int:
     provenance = Provenance.capture(device)
     base = DustinConfig.load(args.config or default_dustin_config_path())
     settings = InPassSettings(budgets=tuple(args.budgets), lag=args.lag, max_layers=args.max_layers,
-                              min_gain=args.min_gain, n_sink=base.n_sink, n_recent=base.n_recent)
+                              min_gain=args.min_gain, max_pool=args.max_pool, n_sink=base.n_sink,
+                              n_recent=base.n_recent)
     text_settings = _trace_settings(args)
     srh = SRHResult.load(args.srh) if args.srh else None
     target = load_model(args.target, device=device, seed=args.seed)
@@ -487,9 +491,11 @@ def layers_command(args: argparse.Namespace) -> int:
     trace_s = time.perf_counter() - start
     objective = InPassObjective(text_traces, settings, needle_traces)
     outcome = search_selection_layers(objective)
-    chosen = replace(base, selection_layers=tuple(
-        LayerHeads(layer, tuple(range(config.num_heads)) if kind == "all" else srh_heads[layer])
-        for layer, kind in outcome.layers))
+    def heads(layer: int, kind: str) -> LayerHeads:
+        return LayerHeads(layer, tuple(range(config.num_heads)) if kind == "all" else srh_heads[layer])
+
+    chosen = replace(base, selection_layers=tuple(heads(*c) for c in outcome.layers),
+                     pool_layers=tuple(heads(*c) for c in outcome.pool))
     chosen.check_models(target.model.config, None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     chosen.save(args.out)
@@ -497,14 +503,16 @@ def layers_command(args: argparse.Namespace) -> int:
               "text_trace": json.loads(text_traces.every_head.describe()),
               "needle_trace": json.loads(needle_traces.every_head.describe()) if needle_traces else None,
               "needle_spans": needles[1], "outcome": outcome.to_dict(),
-              "per_layer_text_arr": {b: objective.per_layer(outcome.layers, b) for b in settings.budgets},
+              "per_layer_text_arr": {b: objective.per_layer(outcome.layers, b, pool=outcome.pool)
+                                     for b in settings.budgets},
               "seconds": {"traces": round(trace_s, 1), "total": round(time.perf_counter() - start, 1)},
               "provenance": provenance.finished(time.perf_counter() - start).to_dict()}
     record_path = args.record or args.out.with_suffix(".layers.json")
     record_path.write_text(json.dumps(record, indent=1) + "\n")
     best = sorted(outcome.phase_a.items(), key=lambda kv: -kv[1])[:6]
     print("phase A (objective alone): " + ", ".join(f"layer {c[0]} {c[1]} {v:.4f}" for c, v in best))
-    print(f"selection layers {[f'{layer} ({kind})' for layer, kind in outcome.layers]}: objective {outcome.value:.4f}; "
+    print(f"selection layers {[f'{layer} ({kind})' for layer, kind in outcome.layers]}, pooled "
+          f"{[f'{layer} ({kind})' for layer, kind in outcome.pool]}: objective {outcome.value:.4f}; "
           + ", ".join(f"k={b}: text ARR {v['text_arr']:.4f}, needle recall {v['needle_recall']:.4f}"
                       for b, v in outcome.by_budget.items()))
     print(f"wrote {args.out} and {record_path} in {time.perf_counter() - start:.0f} s")

@@ -10,6 +10,9 @@ set. This extends the search with two phases over teacher-forced traces of the t
            choice (`lag` steps back)
   phase B  greedily add a re-selection candidate at a later layer while it raises the objective by `min_gain`, at
            most `max_layers` selection layers in all (each costs one more scoring pass over K)
+  phase C  greedily add a pooled candidate below the first selection layer, whose scores are summed into that
+           layer's before it chooses, while it raises the objective by `min_gain`, at most `max_pool` (each costs
+           one more scoring pass over K; the oracle's set sums every layer's attention)
 
 The objective is the sum of two means over the search budgets, each in [0, 1]:
   text ARR       over windows of the corpora: the mean over the target's layers and steps of each layer's windowed
@@ -40,7 +43,8 @@ class InPassSettings:
     budgets: tuple[int, ...] = (256, 512, 1024)  # k of the ARR mean (the deployment k and around it)
     lag: int = 2  # steps between a round's choice and the next round's pre-pass (about the mean accepted length)
     max_layers: int = 2  # selection layers in all (the first chooses, the others re-select)
-    min_gain: float = 0.002  # phase B adds a layer only if the mean ARR rises by this much
+    min_gain: float = 0.002  # phases B and C add a layer only if the objective rises by this much
+    max_pool: int = 3  # phase C: pooled layers in all
     n_sink: int = 4
     n_recent: int = 16
 
@@ -49,8 +53,9 @@ class InPassSettings:
         if not self.budgets or min(self.budgets) <= self.n_sink + self.n_recent:
             raise ConfigError(f"in-pass search budgets {self.budgets} must be non-empty and exceed sinks + recent "
                               f"window = {self.n_sink + self.n_recent}")
-        if self.lag < 1 or self.max_layers < 1:
-            raise ConfigError(f"lag={self.lag} and max_layers={self.max_layers} must be >= 1")
+        if self.lag < 1 or self.max_layers < 1 or self.max_pool < 0:
+            raise ConfigError(f"lag={self.lag} and max_layers={self.max_layers} must be >= 1, max_pool="
+                              f"{self.max_pool} >= 0")
 
 
 Candidate = tuple[int, str]  # (layer, head set): "all" its heads, or "srh" its semantic retrieval heads
@@ -63,12 +68,17 @@ class InPassOutcome:
     phase_a: dict[Candidate, float]  # candidate -> objective alone
     phase_b: list[dict[Candidate, float]]  # per round: candidate re-selection -> objective with it added
     by_budget: dict[int, dict[str, float]]  # the outcome's text ARR and needle recall at each search budget
+    pool: tuple[Candidate, ...] = ()  # the pooled layers (ascending), below the first selection layer
+    phase_c: list[dict[Candidate, float]] = ()  # per round: candidate pooled layer -> objective with it added
 
     def to_dict(self) -> dict:
         return {"layers": [{"layer": layer, "heads": kind} for layer, kind in self.layers], "value": self.value,
                 "phase_a": [{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in self.phase_a.items()],
                 "phase_b": [[{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in r.items()]
                             for r in self.phase_b],
+                "pool": [{"layer": layer, "heads": kind} for layer, kind in self.pool],
+                "phase_c": [[{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in r.items()]
+                            for r in self.phase_c],
                 "by_budget": self.by_budget}
 
 
@@ -116,12 +126,15 @@ class InPassObjective:
         scores = total.reshape(-1, maps.shape[-1])
         return scores * (torch.arange(scores.shape[1])[None, :] < trace.seqlens.long()[:, None])
 
-    def chosen(self, part: SearchTraces, candidate: Candidate, budget: int) -> torch.Tensor:
-        """int64 [R, k]: the set the candidate chooses at each step (sinks + top + recent, all of [0, L) if L <= k)."""
-        key = (id(part), candidate, budget)
+    def chosen(self, part: SearchTraces, candidate: Candidate | tuple[Candidate, ...], budget: int) -> torch.Tensor:
+        """int64 [R, k]: the set the candidate chooses at each step (sinks + top + recent, all of [0, L) if L <= k);
+        a tuple of candidates chooses from the sum of their scores (pooling)."""
+        pooled = candidate if isinstance(candidate[0], tuple) else (candidate,)
+        key = (id(part), pooled, budget)
         if key not in self._sets:
             cfg = self.settings
-            scores, lengths = self._scores(part, candidate), part.every_head.seqlens.long()[:, None]
+            scores = sum(self._scores(part, c) for c in pooled)
+            lengths = part.every_head.seqlens.long()[:, None]
             positions = torch.arange(scores.shape[1])[None, :]
             candidate_mask = (positions >= cfg.n_sink) & (positions < lengths - cfg.n_recent)
             free = budget - cfg.n_sink - cfg.n_recent
@@ -144,28 +157,33 @@ class InPassObjective:
         every = torch.where(torch.arange(budget)[None, :] < lengths, torch.arange(budget)[None, :], -1)
         return torch.where(lengths > budget, shifted, every)
 
-    def _reads(self, part: SearchTraces, selection: Sequence[Candidate], budget: int) -> list[torch.Tensor]:
-        """The set each target layer reads under the configuration (selection ascending by layer)."""
+    def _reads(self, part: SearchTraces, selection: Sequence[Candidate], budget: int,
+               pool: Sequence[Candidate] = ()) -> list[torch.Tensor]:
+        """The set each target layer reads under the configuration (selection ascending by layer; the first
+        selection layer chooses from its scores summed with the pooled candidates')."""
         selection = sorted(selection)
-        previous = self._previous(part, self.chosen(part, selection[-1], budget))
+        choosers = [tuple(sorted(pool)) + (selection[0],), *((c,) for c in selection[1:])]
+        previous = self._previous(part, self.chosen(part, choosers[-1], budget))
         out = []
         for layer in self.layers:
-            readers = [c for c in selection if c[0] <= layer]
+            readers = [c for c in choosers if c[-1][0] <= layer]
             out.append(self.chosen(part, readers[-1], budget) if readers else previous)
         return out
 
     # ---- the objective -----------------------------------------------------------------------------------------------
-    def per_layer(self, selection: Sequence[Candidate], budget: int, dense: int = 0) -> list[float]:
+    def per_layer(self, selection: Sequence[Candidate], budget: int, dense: int = 0,
+                  pool: Sequence[Candidate] = ()) -> list[float]:
         """Each target layer's mean text ARR under the configuration (`dense` first layers in full)."""
-        reads = self._reads(self.text, selection, budget)
+        reads = self._reads(self.text, selection, budget, pool)
         return [1.0 if layer < dense else float(arr(self.text.every_head.truth_by_layer[layer], sets).mean())
                 for layer, sets in zip(self.layers, reads, strict=True)]
 
-    def text_arr(self, selection: Sequence[Candidate], budget: int, dense: int = 0) -> float:
-        values = self.per_layer(selection, budget, dense)
+    def text_arr(self, selection: Sequence[Candidate], budget: int, dense: int = 0,
+                 pool: Sequence[Candidate] = ()) -> float:
+        values = self.per_layer(selection, budget, dense, pool)
         return sum(values) / len(values)
 
-    def needle_recall(self, selection: Sequence[Candidate], budget: int) -> float:
+    def needle_recall(self, selection: Sequence[Candidate], budget: int, pool: Sequence[Candidate] = ()) -> float:
         """The mean over layers and answer steps of the share of the needle's tokens in the set each layer reads."""
         if self.needles is None:
             return 0.0
@@ -173,18 +191,19 @@ class InPassObjective:
         s = part.every_head.settings
         spans = part.needle_spans.repeat_interleave(s.steps, dim=0)  # [R, 2]
         shares = []
-        for sets in self._reads(part, selection, budget):
+        for sets in self._reads(part, selection, budget, pool):
             inside = (sets[:, :, None] >= spans[:, None, :1]) & (sets[:, :, None] < spans[:, None, 1:])
             shares.append(inside.sum((1, 2)).float() / (spans[:, 1] - spans[:, 0]).float())
         return float(torch.stack(shares).mean())
 
-    def mean(self, selection: Sequence[Candidate]) -> float:
+    def mean(self, selection: Sequence[Candidate], pool: Sequence[Candidate] = ()) -> float:
         budgets = self.settings.budgets
-        return sum(self.text_arr(selection, b) + self.needle_recall(selection, b) for b in budgets) / len(budgets)
+        return sum(self.text_arr(selection, b, pool=pool) + self.needle_recall(selection, b, pool)
+                   for b in budgets) / len(budgets)
 
 
 def search_selection_layers(objective: InPassObjective, progress: bool = True) -> InPassOutcome:
-    """Phases A and B (module doc). Ties go to the lower layer, then to every head."""
+    """Phases A, B and C (module doc). Ties go to the lower layer, then to every head."""
     settings = objective.settings
 
     def order(c: Candidate, value: float) -> tuple:
@@ -207,6 +226,20 @@ def search_selection_layers(objective: InPassObjective, progress: bool = True) -
             break
         chosen.append(pick)
         best = scores[pick]
-    by_budget = {b: {"text_arr": objective.text_arr(chosen, b), "needle_recall": objective.needle_recall(chosen, b)}
-                 for b in settings.budgets}
-    return InPassOutcome(tuple(chosen), best, phase_a, phase_b, by_budget)
+    pool: list[Candidate] = []
+    phase_c: list[dict[Candidate, float]] = []
+    while len(pool) < settings.max_pool:
+        below = [c for c in objective.candidates if c[0] < chosen[0][0] and c[0] not in {p[0] for p in pool}]
+        if not below:
+            break
+        scores = {c: objective.mean(chosen, [*pool, c]) for c in tqdm(
+            below, desc=f"phase C: pooled layer {len(pool) + 1}", disable=not progress)}
+        phase_c.append(scores)
+        pick = max(scores, key=lambda c: order(c, scores[c]))
+        if scores[pick] < best + settings.min_gain:
+            break
+        pool.append(pick)
+        best = scores[pick]
+    by_budget = {b: {"text_arr": objective.text_arr(chosen, b, pool=pool),
+                     "needle_recall": objective.needle_recall(chosen, b, pool)} for b in settings.budgets}
+    return InPassOutcome(tuple(chosen), best, phase_a, phase_b, by_budget, tuple(sorted(pool)), phase_c)
