@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
@@ -122,7 +123,7 @@ def test_a_set_per_kv_head_reads_only_its_rows(path: str, monkeypatch: pytest.Mo
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("Triton's interpreter is chosen at import, only on a machine without a GPU")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch, True)
         got = sparse_verify_attention(q, kp, vp, lengths, sets)
     elif path == "plugin reference":  # it masks the whole cache (0 x NaN is NaN): clean rows
         got = sparse_verify_attention(q, k, v, lengths, sets)

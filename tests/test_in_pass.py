@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
 
 from trtllm_dustin.attention import get_backend
@@ -234,7 +235,7 @@ def test_in_pass_on_the_triton_kernels(env, monkeypatch: pytest.MonkeyPatch) -> 
         pytest.skip("on the CPU the kernels run in Triton's interpreter, chosen at import only without a GPU")
     tokens = {}
     for backend in ("reference", "triton"):
-        monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "reference" and env.device.type == "cpu" else "1")
+        use_interpreter(monkeypatch, not (backend == "reference" and env.device.type == "cpu"))
         decoder = _decoder("dustin-ip", replace(env, backend=backend), dustin_config(budget=28, m=4, n_recent=8),
                            slots=2)
         tokens[backend] = decoder.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=6, prefill_chunk=32)).tokens

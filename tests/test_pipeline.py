@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.kernels import use_interpreter
 from helpers.models import DEVICES
 from helpers.pipeline import BATCH, CONFIGS, DTYPE, DUSTIN, GAMMA, PROMPTS, S_MAX, Launch, models, pipeline_decoder
 
@@ -87,7 +88,7 @@ def runs(tmp_path_factory) -> tuple[dict[int, list[dict]], dict[tuple[str, str, 
     launches = {world: Launch(world, run_cases, {"cases": cases(world)}, tmp_path_factory.mktemp(f"pp{world}"))
                 for world in (2, 3)}
     with pytest.MonkeyPatch.context() as patch, one_thread():
-        patch.setenv("TRITON_INTERPRET", "0")  # the plugins' references on the CPU, as in the ranks
+        use_interpreter(patch, False)  # the plugins' references on the CPU, as in the ranks
         # greedy tokens do not depend on the generators: one batched reference serves the micro-batched runs too
         wanted = [(m, "greedy", False) for m in REQUIRED + EXTRA] + \
             [(m, "sampled", per_slot) for m in REQUIRED for per_slot in (False, True)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
@@ -205,10 +206,7 @@ def test_dustin_end_to_end_on_the_triton_kernels(env: Env, monkeypatch: pytest.M
     prompts = PROMPTS[:2]
     tokens = {}
     for backend in ("reference", "triton"):
-        if backend == "reference" and env.device.type == "cpu":
-            monkeypatch.setenv("TRITON_INTERPRET", "0")  # the plugins' references too
-        else:
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch, not (backend == "reference" and env.device.type == "cpu"))  # the references too
         setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, 2, S_MAX, DTYPE,
                                                                              env.device),
                             backend=get_backend(backend), draft=env.draft,
