@@ -180,7 +180,7 @@ def test_selection_with_lengths_on_both_sides_of_the_budget(env: Env, vanilla_to
         indices = decoder.selector.inner.select(lengths, scores)
     if indices.dim() == 2:  # one set per slot; evaluation selectors may return one per KV head or per layer
         indices = indices[None, :, None]  # [1, B, 1, k]
-    elif getattr(decoder.selector, "per_layer", False):
+    elif decoder.selector.per_layer:
         indices = indices[:, :, None]  # [L, B, 1, k]
     else:
         indices = indices[None]  # [1, B, H_kv, k]

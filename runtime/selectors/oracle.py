@@ -24,6 +24,7 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.selection import keep_all_indices
 from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, RoundState
 
 __all__ = ["ORACLE_KINDS", "OracleSelector", "attention_mass", "top_k_set"]
@@ -63,7 +64,7 @@ def top_k_set(scores: torch.Tensor, lengths: torch.Tensor, budget: int, batch_ax
     return torch.where(length > budget, chosen, every)
 
 
-class OracleSelector:
+class OracleSelector(Selector):
     """The oracle set of one kind (ORACLE_KINDS), from a full pass of the target over the round's tokens."""
 
     def __init__(self, kind: str, budget: int, target: Transformer, cache: KVCache, backend: AttentionBackend,
