@@ -51,9 +51,10 @@ from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.acceptors import GreedyAcceptor, RejectionAcceptor
+from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.pipeline_group import PipelineGroup
 from trtllm_dustin.runtime.pipeline_selection import TargetHistory, pipeline_method, sum_in_order
 from trtllm_dustin.runtime.pipeline_stage import PipelineStage
@@ -300,17 +301,13 @@ class PipelineDecoder:
             mb.inbox[_Tag.PROBS] = torch.empty(b, self.gamma, stage.config.vocab_size, dtype=torch.float32,
                                                device=self.device)
         if stage.first:
-            draft = setup.draft if self.spec.needs_draft else None
             dustin = setup.dustin
             if dustin is not None and self.split.dustin_variant is not None:
                 dustin = self.split.first_stage_config(dustin)
-            decoder = build_decoder(setup.method, MethodSetup(
-                target=stage, target_cache=cache, backend=setup.backend, draft=draft,
-                draft_cache=KVCache.allocate(draft.config, b, setup.max_seq_len,
-                                             setup.draft_kv_dtype or draft.embed.weight.dtype, self.device)
-                if draft is not None else None,
-                gamma=setup.gamma, draft_budget=setup.draft_budget, dustin=dustin,
-                use_cuda_graph=setup.use_cuda_graph, kernels=setup.kernels))
+            decoder = build_runtime(setup.method, stage, draft=setup.draft, dustin=dustin, target_cache=cache,
+                                    draft_kv_dtype=setup.draft_kv_dtype, kernels=setup.kernels,
+                                    backend=setup.backend, gamma=setup.gamma, draft_budget=setup.draft_budget,
+                                    use_cuda_graph=setup.use_cuda_graph)
             if decoder.gamma != self.gamma or decoder.selector.budget != self.budget:
                 raise RuntimeError(f"{setup.method}: the registry built gamma {decoder.gamma}, k "
                                    f"{decoder.selector.budget}; the pipeline expected {self.gamma}, {self.budget}")

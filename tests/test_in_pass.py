@@ -22,11 +22,13 @@ from helpers import speculative
 from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.runtime.selectors.in_pass import PAGE, head_weights, page_bounds, page_key_range
 from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings
 from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, SearchTraces, search_selection_layers

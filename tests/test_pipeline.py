@@ -22,12 +22,14 @@ from helpers.kernels import use_interpreter
 from helpers.models import DEVICES
 from helpers.pipeline import BATCH, CONFIGS, DTYPE, DUSTIN, GAMMA, PROMPTS, S_MAX, Launch, models, pipeline_decoder
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.pipeline_selection import PIPELINE_METHODS, pipeline_method
 from trtllm_dustin.runtime.pipeline_stage import PipelineStage
 

@@ -9,12 +9,14 @@ from helpers import speculative
 from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 # The plugins' references on the CPU (test_dustin_end_to_end_on_the_triton_kernels runs the kernels, interpreted).

@@ -15,8 +15,9 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig
 

@@ -1,7 +1,7 @@
 """Periodic full verification (evaluation only; SpecPV's safety valve, arXiv 2512.02337): every `every`-th round
 verifies against the whole cache instead of the inner selector's set, which otherwise runs as it is.
 
-The choice is made on the host from a round count, so the selector cannot run inside captured phases: methods.py
+The choice is made on the host from a round count, so the selector cannot run inside captured phases: build.py
 refuses it with CUDA graphs. Its cost per round is ((every - 1) x the sparse round + the full round) / every, which the
 e2e benchmark's dustin-h and classic rows give.
 """

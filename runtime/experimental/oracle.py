@@ -96,7 +96,7 @@ class OracleSelector(Selector):
 
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor:
         if self.state is None:
-            raise RuntimeError("OracleSelector: bind(decoder.state) first (build_decoder does)")
+            raise RuntimeError("OracleSelector: bind(decoder.state) first (the Decoder does when it is built)")
         self._tokens[:, 0] = self.state.cur
         self._tokens[:, 1:] = self.draft_tokens
         self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
