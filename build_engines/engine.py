@@ -313,7 +313,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
 class OpenedEngine:
     """A checked engine, its models opened (configs, tokenizer) but not loaded. One stage (pp_size 1):
     `target.load(...)` reads the whole target. Several: `target.tensors(device)` are this rank's shard only, loaded
-    by runtime/pipeline_stage.py `PipelineStage.load` over `layers`; the draft is loaded on rank 0."""
+    by runtime/pipeline/stage.py `PipelineStage.load` over `layers`; the draft is loaded on rank 0."""
 
     directory: Path
     manifest: EngineManifest

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (runtime/pipeline.py) on the CPU with gloo, against the single-process runtime.
+"""Pipeline parallelism (runtime/pipeline/) on the CPU with gloo, against the single-process runtime.
 
 Every method the pipeline runs gives `build_decoder(...).generate`'s tokens, greedy and seeded sampling, on 2 and 3
 processes, with and without micro-batches. With micro-batches the batch's one generator cannot be shared by
@@ -30,8 +30,7 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup
-from trtllm_dustin.runtime.pipeline_selection import PIPELINE_METHODS, pipeline_method
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline import PIPELINE_METHODS, PipelineStage, pipeline_method
 
 REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "dustin-ip-sparse-draft"]
 EXTRA = ["dustin-t", "dustin-d", "streamingllm", "dustin-ip"]  # also split; greedy, 2 processes, one micro-batch

@@ -600,7 +600,7 @@ def _generate(args: argparse.Namespace) -> int:
     from trtllm_dustin.runtime.build import build_runtime
     from trtllm_dustin.runtime.generation import GenerationConfig
     from trtllm_dustin.runtime.methods import METHODS
-    from trtllm_dustin.runtime.pipeline_group import torchrun_world
+    from trtllm_dustin.runtime.pipeline import torchrun_world
     from trtllm_dustin.runtime.sampling import SamplingParams
 
     device = torch.device(args.device or _default_device())
@@ -675,7 +675,7 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
 
 
 def _generate_pipeline(args: argparse.Namespace) -> int:
-    """generate under torchrun: this process is one stage of a --pp-size engine (runtime/pipeline.py). It opens and
+    """generate under torchrun: this process is one stage of a --pp-size engine (runtime/pipeline/). It opens and
     checks only its own files, every rank states what it started with (a mismatch, or a rank that failed to start,
     stops all of them with one line), loads its own layers (rank 0 also the draft), and decodes; rank 0 prints (main
     silences the others' stdout)."""
@@ -689,10 +689,13 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
     from trtllm_dustin.runtime.build import attention_backend, runtime_kernels
     from trtllm_dustin.runtime.generation import GenerationConfig
     from trtllm_dustin.runtime.methods import METHODS
-    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup
-    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
-    from trtllm_dustin.runtime.pipeline_selection import pipeline_method
-    from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+    from trtllm_dustin.runtime.pipeline import (
+        PipelineDecoder,
+        PipelineGroup,
+        PipelineSetup,
+        PipelineStage,
+        pipeline_method,
+    )
     from trtllm_dustin.runtime.sampling import SamplingParams
 
     if args.engine is None:
@@ -977,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.kv_cache import MemoryPlanError
     from trtllm_dustin.models.errors import ModelLoadError
-    from trtllm_dustin.runtime.pipeline_group import PipelineError
+    from trtllm_dustin.runtime.pipeline import PipelineError
 
     args = build_parser().parse_args(argv)
     try:

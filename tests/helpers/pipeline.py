@@ -23,7 +23,7 @@ from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.loading import _random_init
 from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline import PipelineStage
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 __all__ = ["BATCH", "CONFIGS", "DTYPE", "DUSTIN", "GAMMA", "PROMPTS", "S_MAX", "Launch", "free_port", "launch",
@@ -69,7 +69,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, job: Callable, payloa
     with the error, if any, that ended the rank."""
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
-    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
+    from trtllm_dustin.runtime.pipeline import PipelineGroup
 
     record = {}
     try:

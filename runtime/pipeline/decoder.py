@@ -6,7 +6,7 @@ round state and the run's Progress. The first stage (rank 0) also holds the draf
 Selector (built by the registry, runtime/methods.py) and the draft's caches; the last stage has the logits and
 decides acceptance. One round of one micro-batch, message by message (tags are the _Tag names):
 
-    rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (pipeline_selection.py: S_target arrives
+    rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (selection.py: S_target arrives
                  from the stages that own the SRH layers), embed [cur, drafts] and run its layers
     0 -> 1       HIDDEN [b, Γ+1, H], TOKENS int64 [b, Γ+1], INDICES int32 [b, k] (sparse methods)
     s -> s+1     the same, after stage s's layers (every stage reads the same I_verify: it is layer-invariant; with
@@ -55,9 +55,9 @@ from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
 from trtllm_dustin.runtime.methods import METHODS
-from trtllm_dustin.runtime.pipeline_group import PipelineGroup
-from trtllm_dustin.runtime.pipeline_selection import TargetHistory, pipeline_method, sum_in_order
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline.group import PipelineGroup
+from trtllm_dustin.runtime.pipeline.selection import TargetHistory, pipeline_method, sum_in_order
+from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
