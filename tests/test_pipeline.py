@@ -134,7 +134,7 @@ def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool
     path and on the fused one (the kernels' references); on CUDA (bf16, the fused kernels) up to the residual add
     that the stage boundary takes out of the next layer's fused norm."""
     from trtllm_dustin.plugins.kernel_config import KernelConfig
-    from trtllm_dustin.runtime.pipeline import stage_layers
+    from trtllm_dustin.runtime.pipeline import layer_split
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else DTYPE
@@ -159,7 +159,7 @@ def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool
         expected = target(tokens, whole, AttentionMetadata(cache_seqlens=whole.seqlens), backend,
                           capture=expected_capture)
         x, got_capture = tokens, capture()
-        for rank, (start, stop) in enumerate(stage_layers(config.num_layers, pp_size)):
+        for rank, (start, stop) in enumerate(layer_split(config.num_layers, pp_size)):
             stage = PipelineStage.from_model(target, start, stop, rank, pp_size)
             local = stage.allocate_cache(2, 32, dtype, device)
             assert local.num_layers == stop - start

@@ -4,10 +4,12 @@
   stage.py       PipelineStage: one rank's contiguous layers (embedding on the first, norm and head on the last)
   selection.py   which methods split (PIPELINE_METHODS), Dustin's S_target per stage
   group.py       PipelineGroup: the process group, the start handshake, faults
+  layers.py      layer_split: which target layers each stage holds (the engine builder writes its shards by it)
 """
 
-from trtllm_dustin.runtime.pipeline.decoder import PipelineDecoder, PipelineSetup, stage_layers
+from trtllm_dustin.runtime.pipeline.decoder import PipelineDecoder, PipelineSetup
 from trtllm_dustin.runtime.pipeline.group import DEFAULT_TIMEOUT_S, PipelineError, PipelineGroup, torchrun_world
+from trtllm_dustin.runtime.pipeline.layers import layer_split
 from trtllm_dustin.runtime.pipeline.selection import (
     PIPELINE_METHODS,
     PipelineMethod,
@@ -18,5 +20,5 @@ from trtllm_dustin.runtime.pipeline.selection import (
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PIPELINE_METHODS", "PipelineDecoder", "PipelineError", "PipelineGroup",
-           "PipelineMethod", "PipelineSetup", "PipelineStage", "TargetHistory", "pipeline_method", "stage_layers",
+           "PipelineMethod", "PipelineSetup", "PipelineStage", "TargetHistory", "layer_split", "pipeline_method",
            "sum_in_order", "torchrun_world"]

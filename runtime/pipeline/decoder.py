@@ -56,6 +56,7 @@ from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
 from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.pipeline.group import PipelineGroup
+from trtllm_dustin.runtime.pipeline.layers import layer_split
 from trtllm_dustin.runtime.pipeline.selection import TargetHistory, pipeline_method, sum_in_order
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
@@ -64,7 +65,7 @@ from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors import InPassSelector
 from trtllm_dustin.runtime.state import Observation, Progress, RoundState
 
-__all__ = ["PipelineDecoder", "PipelineSetup", "stage_layers"]
+__all__ = ["PipelineDecoder", "PipelineSetup"]
 
 
 class _Tag(IntEnum):
@@ -79,13 +80,6 @@ class _Tag(IntEnum):
     FIRST = 9
     SEED = 10  # in-pass selection: round 1's set, from the owner of the first selection layer to the first stage
     CHOSEN = 11  # in-pass selection: the set the pass chose, from the last stage to the first
-
-
-def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """The engine's split (build_engines/engine.py layer_split): contiguous ranges, the first ones one layer longer."""
-    from trtllm_dustin.build_engines.engine import layer_split
-
-    return layer_split(num_layers, pp_size)
 
 
 @dataclass(frozen=True)
@@ -118,7 +112,7 @@ class PipelineSetup:
                               "(trtllm-dustin generate without torchrun)")
         if (stage.rank, stage.pp_size) != (group.rank, group.world):
             raise ConfigError(f"stage {stage.rank} of {stage.pp_size} runs on rank {group.rank} of {group.world}")
-        expected = stage_layers(stage.config.num_layers, stage.pp_size)[stage.rank]
+        expected = layer_split(stage.config.num_layers, stage.pp_size)[stage.rank]
         if (stage.start, stage.stop) != expected:
             raise ConfigError(f"rank {stage.rank} holds layers [{stage.start}, {stage.stop}); the split gives it "
                               f"[{expected[0]}, {expected[1]})")
@@ -245,7 +239,7 @@ class PipelineDecoder:
         self.gamma = setup.speculative_gamma
         self.dtype = next(stage.parameters()).dtype
         self.kv_dtype = setup.kv_dtype or self.dtype
-        self.owner = {layer: rank for rank, (start, stop) in enumerate(stage_layers(stage.config.num_layers,
+        self.owner = {layer: rank for rank, (start, stop) in enumerate(layer_split(stage.config.num_layers,
                                                                                      stage.pp_size))
                       for layer in range(start, stop)}  # global layer -> the rank that holds it
         self.shared_vocab = setup.draft_config.vocab_size if self.spec.needs_draft else stage.config.vocab_size

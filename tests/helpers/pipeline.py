@@ -121,9 +121,9 @@ def launch(world: int, job: Callable, payload: dict, out: Path, on_start: Callab
 
 
 def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **changes):
-    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, stage_layers
+    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, layer_split
 
-    start, stop = stage_layers(target.config.num_layers, group.world)[group.rank]
+    start, stop = layer_split(target.config.num_layers, group.world)[group.rank]
     stage = PipelineStage.from_model(target, start, stop, group.rank, group.world)
     setup = PipelineSetup(method, stage, group, get_backend("reference"), BATCH, S_MAX, draft_config=draft.config,
                           draft=draft if group.first else None, gamma=GAMMA, draft_budget=12, dustin=DUSTIN,
