@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -93,8 +94,12 @@ class Launch:
         self.out, self.start = out, time.monotonic()
         self.procs = [ctx.Process(target=_rank_main, args=(rank, world, port, str(out), job, payload))
                       for rank in range(world)]
-        for p in self.procs:
-            p.start()
+        # A spawned rank imports this module, and with it the plugins, before _rank_main runs: it must inherit
+        # TRITON_INTERPRET=0 (the plugins read it once, at import) to take the CPU references.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TRITON_INTERPRET", "0")
+            for p in self.procs:
+                p.start()
 
     def join(self, wait_s: float = 240.0) -> list[dict]:
         for p in self.procs:
