@@ -42,7 +42,7 @@ import torch
 from common import COPY_BANDWIDTH, RESULTS, Clock, environment, save_json
 from stated_acceptance import StatedAcceptor, stated_acceptance
 
-from trtllm_dustin.attention import get_backend
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
@@ -50,8 +50,9 @@ from trtllm_dustin.models.longspark import random_longspark, spread_layers
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
 from trtllm_dustin.plugins.pdl import pdl_supported
+from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.decoder import Decoder
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -186,7 +187,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     clock = Clock(device)
     kernels = args.kernels
-    backend = get_backend("triton" if device.type == "cuda" else "reference", kernels)
+    backend = attention_backend(device, kernels)
     sampling = SlotSampling.batch(SamplingParams(), batch, device)
     spark = None
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
@@ -197,10 +198,9 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     for method, budget in runs:
         base, fp8 = split_method(method)
         dustin = pair.dustin.with_budget(budget) if budget is not None else pair.dustin
-        decoder = build_decoder(base, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
-                                                  draft_cache=dcache8 if fp8 else dcache, gamma=gamma,
-                                                  dustin=dustin, longspark=spark,
-                                                  use_cuda_graph=device.type == "cuda", kernels=kernels))
+        decoder = build_runtime(base, target, draft=draft, longspark=spark, dustin=dustin, target_cache=tcache,
+                                draft_cache=dcache8 if fp8 else dcache, kernels=kernels, backend=backend, gamma=gamma,
+                                use_cuda_graph=device.type == "cuda")
         ratio = args.tau_ratios.get(method, 1.0)
         tau = (args.tau or pair.stated_tau(base)) * ratio if decoder.gamma else 1.0
         probs, alpha = stated_acceptance(tau, gamma) if decoder.gamma else (probs, alpha)

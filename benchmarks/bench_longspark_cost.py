@@ -22,12 +22,11 @@ import torch
 from bench_e2e import PAIRS, longspark_layers, start_at
 from common import RESULTS, environment, save_json
 
-from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Observation
 
@@ -77,13 +76,13 @@ def main() -> None:
     for t in (tcache.k, tcache.v, dcache.k, dcache.v):
         t.normal_()
     kernels = KernelConfig()
-    backend = get_backend("triton" if device.type == "cuda" else "reference", kernels)
+    backend = attention_backend(device, kernels)
     sampling = SlotSampling.batch(SamplingParams(), args.batch, device)
     rows = []
     for method in ("longspark", "classic"):
-        decoder = build_decoder(method, MethodSetup(target=target, target_cache=tcache, backend=backend, draft=draft,
-                                                    draft_cache=dcache, gamma=args.gamma, longspark=spark,
-                                                    use_cuda_graph=device.type == "cuda", kernels=kernels))
+        decoder = build_runtime(method, target, draft=draft, longspark=spark, target_cache=tcache, draft_cache=dcache,
+                                kernels=kernels, backend=backend, gamma=args.gamma,
+                                use_cuda_graph=device.type == "cuda")
         drafter = decoder.drafter
         for context in contexts:
             tokens = torch.randint(0, target.config.vocab_size, (args.batch,), device=device)

@@ -39,14 +39,15 @@ import torch
 from common import RESULTS, environment, save_json
 from quality_tasks import DEFAULT_TASKS, TASKS, Sample, as_dict, build_samples, sample_from_dict, score
 
-from trtllm_dustin.attention import get_backend
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.acceptors import TeacherForcedAcceptor
+from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.decoder import Decoder
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.prefill import prefill
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -188,7 +189,7 @@ def dustin_for(base: DustinConfig | None, variant: Variant) -> DustinConfig | No
 
 def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, samples: dict[tuple[str, int], list[Sample]],
              device, dtype, partial: Path | None = None) -> list[dict]:
-    backend = get_backend("triton" if device.type == "cuda" else "reference")
+    backend = attention_backend(device)  # shared by the prefill and every variant's decoder
     records = []
     for (task, context), task_samples in samples.items():
         new_tokens = args.new_tokens if task == "books" else args.answer_tokens
@@ -204,11 +205,9 @@ def evaluate(args, target, tokenizer, draft, dustin: DustinConfig | None, sample
             full_lp = None
             for variant in variants(args.methods, args.budgets, args.m_sweep):
                 t0 = time.perf_counter()
-                setup = MethodSetup(target=target, target_cache=pre.tcache, backend=backend, draft=draft,
-                                    draft_cache=pre.draft_work, gamma=args.gamma,
-                                    draft_budget=variant.budget or 512, dustin=dustin_for(dustin, variant),
-                                    use_cuda_graph=False)
-                decoder = build_decoder(variant.method, setup)
+                decoder = build_runtime(variant.method, target, draft=draft, dustin=dustin_for(dustin, variant),
+                                        target_cache=pre.tcache, draft_cache=pre.draft_work, backend=backend,
+                                        gamma=args.gamma, draft_budget=variant.budget or 512, use_cuda_graph=False)
                 free = decode(decoder, pre, new_tokens)
                 per_sample = []
                 if task == "books":

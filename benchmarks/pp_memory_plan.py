@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from trtllm_dustin.build_engines.engine import layer_split, stage_bytes
+from trtllm_dustin.build_engines.engine import stage_bytes
 from trtllm_dustin.models.presets import get_preset
+from trtllm_dustin.runtime.pipeline import layer_split
 
 GIB = 2 ** 30
 H200_FREE = 139.8 * GIB  # what an idle H200 reports free (143771 MiB total)

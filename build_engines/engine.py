@@ -33,9 +33,10 @@ import torch
 
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
+from trtllm_dustin.runtime.pipeline.layers import layer_split
 
 __all__ = ["ENGINE_FORMAT_VERSION", "EngineError", "EngineLimits", "EngineManifest", "OpenedEngine", "build_engine",
-           "engine_tactics", "layer_split", "open_engine", "stage_bytes"]
+           "engine_tactics", "open_engine", "stage_bytes"]
 
 ENGINE_FORMAT_VERSION = 1
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -95,20 +96,6 @@ def stage_bytes(configs: dict[str, ModelConfig], layers: list[tuple[int, int]], 
         weights += ((stop - start) * c.layer_parameters() + ends) * dtype.itemsize
         caches += kv * (stop - start) // c.num_layers
     return weights, caches
-
-
-def layer_split(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) layer ranges of the pipeline stages, the first ones one layer longer when the layers
-    do not divide evenly."""
-    if not 1 <= pp_size <= num_layers:
-        raise EngineError(f"--pp-size {pp_size} must be between 1 and the target's {num_layers} layers")
-    base, extra = divmod(num_layers, pp_size)
-    bounds, start = [], 0
-    for rank in range(pp_size):
-        stop = start + base + (1 if rank < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 @dataclass(frozen=True)
@@ -313,7 +300,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
 class OpenedEngine:
     """A checked engine, its models opened (configs, tokenizer) but not loaded. One stage (pp_size 1):
     `target.load(...)` reads the whole target. Several: `target.tensors(device)` are this rank's shard only, loaded
-    by runtime/pipeline_stage.py `PipelineStage.load` over `layers`; the draft is loaded on rank 0."""
+    by runtime/pipeline/stage.py `PipelineStage.load` over `layers`; the draft is loaded on rank 0."""
 
     directory: Path
     manifest: EngineManifest

@@ -12,8 +12,6 @@ the GPU, libm on the CPU), which flip the rounding of a bf16 output by one ulp o
 (the tests bound it); fp32 outputs of the norm and of silu_mul are a few ulps from torch's for the same reason.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,7 +19,7 @@ import triton.language as tl
 
 from .kv_dtype import is_fp8, store_cast, to_cache_dtype
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
-from .split_kv import runs_triton
+from .split_kv import interpreting, runs_triton
 
 __all__ = [
     "FUSED_DTYPES",
@@ -51,7 +49,7 @@ _ROPE_TILE = 2048
 def _soft_bf16() -> bool:
     """Round fp32 -> bf16 in integer arithmetic? Triton 3.9's interpreter truncates that cast (GPUs round to
     nearest even, as torch does), so under the interpreter the kernels round by hand to stay bit-exact."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreting()
 
 
 @triton.jit

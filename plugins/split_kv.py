@@ -19,10 +19,12 @@ import triton.language as tl
 from .pdl import gdc_args, gdc_wait_if
 
 __all__ = [
+    "INTERPRET",
     "LOG2E",
     "NEG_BIG",
     "combine_splits",
     "dot_mode",
+    "interpreting",
     "merge_if_last",
     "merge_split_rows",
     "num_sms",
@@ -41,11 +43,20 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # A split-KV launch aims at about one program per SM, the fastest split count in the H200 sweep
 # (benchmarks/dev/README.md); more splits only add partials.
 MAX_SPLITS = 64
+# Triton's interpreter (TRITON_INTERPRET=1: CI without a GPU) is chosen when a kernel is decorated, at import; the
+# switch is read once here, at import too, so that the ops dispatch as the kernels were built. Tests that want the
+# PyTorch references on CPU tensors patch this flag (tests/conftest.py `plugin_references`).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreting() -> bool:
+    """Whether the Triton kernels run in Triton's interpreter (INTERPRET, read at import)."""
+    return INTERPRET
 
 
 def runs_triton(t: torch.Tensor) -> bool:
     """Triton on CUDA tensors, and on CPU tensors when the Triton interpreter is on (CI)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or interpreting()
 
 
 @functools.cache
@@ -79,7 +90,7 @@ def dot_mode(dtype: torch.dtype) -> str:
     bf16 dots wrongly, so there the operands are upcast to fp32 first ("upcast")."""
     if dtype == torch.float32:
         return "ieee"
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if dtype == torch.bfloat16 and interpreting():
         return "upcast"
     return "tf32"
 

@@ -71,10 +71,8 @@ class Decoder:
             if layers or self.target_hidden_layers else None
         # A selector that re-runs the target over the round's tokens (the evaluation oracle) reads the round state;
         # one with `per_layer` returns a set per decoder layer ([L, B, k]), which the model hands layer by layer.
-        bind = getattr(selector, "bind", None)
-        if bind is not None:
-            bind(self.state)
-        self._per_layer_sets = bool(getattr(selector, "per_layer", False))
+        selector.bind(self.state)
+        self._per_layer_sets = selector.per_layer
         self._greedy = GreedyAcceptor(kernels.round_kernels)
         self._rejection = RejectionAcceptor(kernels.round_kernels)
         self._untimed = PhaseTimer(False, self.device)

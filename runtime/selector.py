@@ -5,15 +5,18 @@ A selector with `budget` None verifies against the full cache (Classic SD, Magic
 cache positions, sorted ascending except for in-pass sets, which keep a fixed slot layout; -1 padding; all of
 [0, L_b) while L_b <= k), one set per slot for every layer and head; an in-pass selector's verification pass rewrites
 it at the selection layers.
-Evaluation selectors may also return [B, H_kv, k] (a set per KV head) or, with the attribute `per_layer` True,
-[L, B, k] (a set per decoder layer); one with a `bind(state)` method is handed the decoder's RoundState.
-Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host sync). Per-slot
-hooks: `on_prefill` (prompt-time state of newly admitted slots) and `observe` (each round's verdict, before the
-commit).
+Evaluation selectors may also return [B, H_kv, k] (a set per KV head) or, with `per_layer` True, [L, B, k] (a set
+per decoder layer). Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host
+sync). Hooks: `bind` (the decoder's RoundState, once, when the decoder is built), `on_prefill` (prompt-time state of
+newly admitted slots) and `observe` (each round's verdict, before the commit).
+
+Implementations subclass Selector explicitly, which gives them the defaults of the optional members: `per_layer`
+False (one set for every layer) and a `bind` that keeps nothing.
 
 Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
 the input-aware share of dustin-h-adaptive), in_pass.py (the set chosen inside the verification pass from its own
-queries: selection layers), streamingllm.py, snapkv.py, quest.py, oracle.py (evaluation only).
+queries: selection layers), streamingllm.py, snapkv.py, quest.py; the evaluation-only ones (the oracle, periodic
+full verification) are in runtime/experimental/.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from trtllm_dustin.attention import InPassSelection
 from trtllm_dustin.runtime.drafter import PrefillView
-from trtllm_dustin.runtime.state import Observation
+from trtllm_dustin.runtime.state import Observation, RoundState
 
 __all__ = ["Selector"]
 
@@ -35,6 +38,14 @@ class Selector(Protocol):
     # Selection inside the verification pass (selectors/in_pass.py): the pass rewrites the set at its selection
     # layers; None for selectors whose set is final before the pass.
     in_pass: InPassSelection | None
+    # `select` returns a set per decoder layer, [L, B, k], which the model hands layer by layer (evaluation: the
+    # per-layer oracle); False: one set for every layer.
+    per_layer: bool = False
+
+    def bind(self, state: RoundState) -> None:
+        """The decoder's round state, handed once when the decoder is built (a selector that re-runs the target over
+        the round's tokens reads it); the default keeps nothing."""
+        return None
 
     def on_prefill(self, view: PrefillView) -> None:
         """Prompt-time state of newly admitted slots."""

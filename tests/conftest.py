@@ -23,10 +23,12 @@ if _WORKERS > 1:
 
 @pytest.fixture
 def plugin_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors take the plugins' PyTorch references instead of the Triton interpreter (the choice is made per
-    call): for end-to-end runtime tests, which would spend minutes interpreting kernels that their own tests and
-    test_speculative's Triton end-to-end test cover."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    """CPU tensors take the plugins' PyTorch references instead of the Triton interpreter: for end-to-end runtime
+    tests, which would spend minutes interpreting kernels that their own tests and test_speculative's Triton
+    end-to-end test cover."""
+    from helpers.kernels import use_interpreter  # here: helpers.kernels reads TRITON_INTERPRET, set above
+
+    use_interpreter(monkeypatch, False)
 
 
 @pytest.fixture(params=DEVICES)

@@ -220,9 +220,15 @@ def test_the_streaming_sinks_are_the_runtimes() -> None:
 
 
 def test_the_registry_read_without_torch_is_the_registry() -> None:
+    """The production registry (the experimental methods, added when runtime/experimental/ is imported, are no
+    option of generate's)."""
+    from helpers.registry import OFFERED
+
     from trtllm_dustin.runtime.methods import METHODS
 
-    assert method_facts() == {name: MethodFacts(m.offered, m.sparse) for name, m in METHODS.items()}
+    facts = method_facts()
+    assert tuple(facts) == OFFERED and all(f.offered for f in facts.values())
+    assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse) for name in OFFERED}
 
 
 def test_gamma_stops_where_the_kernels_do() -> None:

@@ -13,13 +13,15 @@ import pytest
 import torch
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
 from trtllm_dustin.plugins.selection import select_verify_indices, streaming_indices
-from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup
 from trtllm_dustin.runtime.selectors import (
     adaptive_m,
     quest_indices,

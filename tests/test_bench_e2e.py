@@ -12,10 +12,12 @@ import pytest
 import torch
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
 

@@ -14,8 +14,9 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import _early_generate_args, main
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 

@@ -16,11 +16,12 @@ from trtllm_dustin.build_engines.engine import (
     EngineLimits,
     EngineManifest,
     engine_tactics,
-    layer_split,
     open_engine,
 )
 from trtllm_dustin.cli import main
+from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.runtime.pipeline import layer_split
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_pipeline_shards_hold_contiguous_layers(tmp_path: Path) -> None:
         open_engine(out)
     with pytest.raises(EngineError, match="serving runs an engine in one process: rebuild it with --pp-size 1"):
         open_engine(out, serving=True)  # what triton-repo and the served model open it with
-    with pytest.raises(EngineError, match="--pp-size 9 must be between 1 and the target's 3 layers"):
+    with pytest.raises(ConfigError, match="--pp-size 9 must be between 1 and the target's 3 layers"):
         layer_split(3, 9)
 
 

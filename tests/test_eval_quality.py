@@ -14,7 +14,8 @@ from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.data import CorpusNotInstalledError, split_of
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import eval_quality  # noqa: E402

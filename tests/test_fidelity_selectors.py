@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, S_MAX, Env, dustin_config, run
 
 from trtllm_dustin.attention import AttentionMetadata, get_backend
@@ -29,8 +30,8 @@ from trtllm_dustin.plugins import sparse_verify_attention
 from trtllm_dustin.plugins.reference import sparse_verify_attention_ref, srh_score_ref
 from trtllm_dustin.plugins.selection import select_verify_indices
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
-from trtllm_dustin.runtime.selectors import DustinSelector, PeriodicFullVerification
-from trtllm_dustin.runtime.selectors.oracle import attention_mass, top_k_set
+from trtllm_dustin.runtime.experimental import PeriodicFullVerification, attention_mass, top_k_set
+from trtllm_dustin.runtime.selectors import DustinSelector
 from trtllm_dustin.runtime.state import Observation
 
 pytestmark = pytest.mark.usefixtures("plugin_references")
@@ -122,7 +123,7 @@ def test_a_set_per_kv_head_reads_only_its_rows(path: str, monkeypatch: pytest.Mo
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("Triton's interpreter is chosen at import, only on a machine without a GPU")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch, True)
         got = sparse_verify_attention(q, kp, vp, lengths, sets)
     elif path == "plugin reference":  # it masks the whole cache (0 x NaN is NaN): clean rows
         got = sparse_verify_attention(q, k, v, lengths, sets)
@@ -260,10 +261,11 @@ def test_a_set_per_kv_head_is_eq6_with_each_groups_heads(env: Env, heads) -> Non
 
 # ---- periodic full verification -------------------------------------------------------------------------------------
 def test_every_round_in_full_equals_vanilla(env: Env, vanilla_tokens, monkeypatch: pytest.MonkeyPatch) -> None:
+    import trtllm_dustin.runtime.experimental.methods as experimental
     import trtllm_dustin.runtime.methods as methods
 
     spec = methods.METHODS["dustin-h-periodic"]
-    monkeypatch.setitem(methods.METHODS, "dustin-h-periodic", replace(spec, selector=methods._periodic(1)))
+    monkeypatch.setitem(methods.METHODS, "dustin-h-periodic", replace(spec, selector=experimental._periodic(1)))
     _, result = run("dustin-h-periodic", env, dustin=dustin_config(budget=24, m=6, n_recent=4))
     assert result.tokens == vanilla_tokens
 

@@ -26,8 +26,9 @@ from trtllm_dustin.plugins.reference import (  # noqa: E402
     srh_score_ref,
     verify_attention_ref,
 )
+from trtllm_dustin.runtime.build import build_decoder  # noqa: E402
 from trtllm_dustin.runtime.generation import GenerationConfig  # noqa: E402
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder  # noqa: E402
+from trtllm_dustin.runtime.methods import MethodSetup  # noqa: E402
 
 FP8 = FP8_KV_DTYPE
 

@@ -19,13 +19,16 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.runtime.selectors.in_pass import PAGE, head_weights, page_bounds, page_key_range
 from trtllm_dustin.search.attention_trace import AttentionTrace, TraceSettings
 from trtllm_dustin.search.in_pass import InPassObjective, InPassSettings, SearchTraces, search_selection_layers
@@ -286,7 +289,7 @@ def test_in_pass_on_the_triton_kernels(env, monkeypatch: pytest.MonkeyPatch) -> 
         pytest.skip("on the CPU the kernels run in Triton's interpreter, chosen at import only without a GPU")
     tokens = {}
     for backend in ("reference", "triton"):
-        monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "reference" and env.device.type == "cpu" else "1")
+        use_interpreter(monkeypatch, not (backend == "reference" and env.device.type == "cpu"))
         decoder = _decoder("dustin-ip", replace(env, backend=backend), dustin_config(budget=28, m=4, n_recent=8),
                            slots=2)
         tokens[backend] = decoder.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=6, prefill_chunk=32)).tokens

@@ -24,9 +24,10 @@ from trtllm_dustin.models.longspark import (
     summary_merge,
 )
 from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafters import LongSparkDrafter
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
 

@@ -13,8 +13,9 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
 from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 
 pytestmark = needs_kernel
 BACKEND = "triton" if DEVICE == "cuda" else "reference"

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (runtime/pipeline.py) on the CPU with gloo, against the single-process runtime.
+"""Pipeline parallelism (runtime/pipeline/) on the CPU with gloo, against the single-process runtime.
 
 Every method the pipeline runs gives `build_decoder(...).generate`'s tokens, greedy and seeded sampling, on 2 and 3
 processes, with and without micro-batches. With micro-batches the batch's one generator cannot be shared by
@@ -18,17 +18,19 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.kernels import use_interpreter
 from helpers.models import DEVICES
 from helpers.pipeline import BATCH, CONFIGS, DTYPE, DUSTIN, GAMMA, PROMPTS, S_MAX, Launch, models, pipeline_decoder
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import QueryCapture
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
-from trtllm_dustin.runtime.pipeline_selection import PIPELINE_METHODS, pipeline_method
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
+from trtllm_dustin.runtime.pipeline import PIPELINE_METHODS, PipelineStage, pipeline_method
 
 REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "dustin-ip-sparse-draft"]
 EXTRA = ["dustin-t", "dustin-d", "streamingllm", "dustin-ip"]  # also split; greedy, 2 processes, one micro-batch
@@ -87,7 +89,7 @@ def runs(tmp_path_factory) -> tuple[dict[int, list[dict]], dict[tuple[str, str, 
     launches = {world: Launch(world, run_cases, {"cases": cases(world)}, tmp_path_factory.mktemp(f"pp{world}"))
                 for world in (2, 3)}
     with pytest.MonkeyPatch.context() as patch, one_thread():
-        patch.setenv("TRITON_INTERPRET", "0")  # the plugins' references on the CPU, as in the ranks
+        use_interpreter(patch, False)  # the plugins' references on the CPU, as in the ranks
         # greedy tokens do not depend on the generators: one batched reference serves the micro-batched runs too
         wanted = [(m, "greedy", False) for m in REQUIRED + EXTRA] + \
             [(m, "sampled", per_slot) for m in REQUIRED for per_slot in (False, True)]
@@ -132,7 +134,7 @@ def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool
     path and on the fused one (the kernels' references); on CUDA (bf16, the fused kernels) up to the residual add
     that the stage boundary takes out of the next layer's fused norm."""
     from trtllm_dustin.plugins.kernel_config import KernelConfig
-    from trtllm_dustin.runtime.pipeline import stage_layers
+    from trtllm_dustin.runtime.pipeline import layer_split
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else DTYPE
@@ -157,7 +159,7 @@ def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool
         expected = target(tokens, whole, AttentionMetadata(cache_seqlens=whole.seqlens), backend,
                           capture=expected_capture)
         x, got_capture = tokens, capture()
-        for rank, (start, stop) in enumerate(stage_layers(config.num_layers, pp_size)):
+        for rank, (start, stop) in enumerate(layer_split(config.num_layers, pp_size)):
             stage = PipelineStage.from_model(target, start, stop, rank, pp_size)
             local = stage.allocate_cache(2, 32, dtype, device)
             assert local.num_layers == stop - start

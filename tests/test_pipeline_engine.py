@@ -19,7 +19,7 @@ from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.build_engines.engine import EngineError, open_engine
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline import PipelineStage
 
 RUN = ["generate", "--prompt-tokens", "30", "--max-new-tokens", "12", "--method", "dustin-h", "--device", "cpu",
        "--batch-size", "2", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9"]

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers.kernels import DEVICE, TOLERANCE, needs_cuda, needs_kernel  # noqa: E402
+from helpers.kernels import DEVICE, TOLERANCE, needs_cuda, needs_kernel, use_interpreter  # noqa: E402
 
 from trtllm_dustin.plugins import prefill_attention  # noqa: E402
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype  # noqa: E402
@@ -130,7 +130,7 @@ def test_chunks_equal_one_pass():
 
 def test_cpu_reference_path(monkeypatch):
     """Without the interpreter, CPU tensors take the reference (the CPU path of the triton backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    use_interpreter(monkeypatch, False)
     torch.manual_seed(5)
     q = torch.randn(2, 20, 4, 16)
     k, v = torch.randn(2, 2, 60, 16), torch.randn(2, 2, 60, 16)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtllm_dustin.build_engines.engine import layer_split, stage_bytes
+from trtllm_dustin.build_engines.engine import stage_bytes
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.presets import get_preset
+from trtllm_dustin.runtime.pipeline import layer_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import pp_memory_plan  # noqa: E402

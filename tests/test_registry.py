@@ -8,29 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.registry import EXPERIMENTAL, OFFERED, REGISTERED
 from helpers.speculative import DTYPE, dustin_config
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import build_parser
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
-from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup
 from trtllm_dustin.serving import ServingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-# The registry's names written out here, not read from runtime/methods.py, so that the callers are compared with an
-# expectation of their own: a method added, removed or re-flagged there must be added, removed or moved here too.
-REGISTERED = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-t", "dustin-d", "dustin-h-sparse-draft",
-              "streamingllm", "snapkv", "quest", "dustin-h-adaptive", "oracle", "oracle-layer", "oracle-kv-head",
-              "dustin-h-accum", "dustin-h-kv-head", "dustin-h-periodic", "dustin-ip", "dustin-ip-pages",
-              "dustin-ip-sparse-draft", "dustin-ip-la", "dustin-ip-dense", "longspark", "dustin-h-longspark",
-              "dustin-t-longspark", "dustin-ip-longspark")
-EVALUATION_ONLY = {"dustin-h-adaptive", "oracle", "oracle-layer", "oracle-kv-head", "dustin-h-accum",
-                   "dustin-h-kv-head", "dustin-h-periodic", "dustin-ip-la", "dustin-ip-dense", "dustin-h-longspark"}
-OFFERED = tuple(name for name in REGISTERED if name not in EVALUATION_ONLY)
 
 
 def _choices(argv_prefix: list[str], option: str) -> tuple[str, ...]:
@@ -43,18 +36,30 @@ def test_the_cli_offers_exactly_the_offered_methods() -> None:
     assert _choices(["generate"], "--method") == OFFERED
     assert _choices(["triton-repo"], "--method") == OFFERED
     assert OFFERED_METHODS == OFFERED and "vanilla" in OFFERED_METHODS
-    assert {name for name, m in METHODS.items() if not m.offered} == EVALUATION_ONLY
+    assert tuple(name for name, m in METHODS.items() if not m.offered) == EXPERIMENTAL
+
+
+def test_production_never_imports_the_experimental_registry() -> None:
+    """generate, serving and build import neither runtime/experimental/ nor its methods: a fresh process holds the
+    offered methods alone."""
+    import subprocess
+
+    code = ("import sys\n"
+            "import trtllm_dustin.build_engines.engine, trtllm_dustin.cli, trtllm_dustin.serving.engine\n"
+            "from trtllm_dustin.runtime.methods import METHODS\n"
+            "print(list(METHODS), [m for m in sys.modules if m.startswith('trtllm_dustin.runtime.experimental')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"{list(OFFERED)} []"
 
 
 def test_the_serving_config_takes_every_offered_method_and_no_other() -> None:
     config = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
                            methods=OFFERED_METHODS, dustin=dustin_config(budget=40, m=4))
     assert ServingConfig.from_json(config.to_json()) == config
-    for name, method in METHODS.items():
-        if not method.offered:
-            with pytest.raises(ConfigError, match=f"{name}.*unknown"):
-                ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", methods=(name,),
-                              dustin=dustin_config(budget=40, m=4))
+    for name in EXPERIMENTAL:
+        with pytest.raises(ConfigError, match=f"{name}.*unknown"):
+            ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", methods=(name,),
+                          dustin=dustin_config(budget=40, m=4))
 
 
 def test_eval_quality_accepts_every_registered_method() -> None:
@@ -105,3 +110,27 @@ def test_an_unknown_method_names_the_choices() -> None:
     with pytest.raises(ConfigError, match="'medusa' is unknown; choose one of vanilla, classic"):
         build_decoder("medusa", setup)
     assert torch.equal(setup.target_cache.seqlens, torch.zeros(1, dtype=torch.int32))  # nothing was built
+
+
+def test_build_runtime_allocates_what_the_method_reads_and_decodes_as_build_decoder() -> None:
+    """The factory sizes the caches as asked, gives a draft cache only to methods that draft with a model, refuses a
+    missing draft before it allocates anything, and its decoder decodes what a hand-built MethodSetup's decodes."""
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+
+    target = load_model("preset:tiny-llama", dtype=DTYPE, seed=7).model
+    draft = load_model("preset:tiny-llama-draft", dtype=DTYPE, seed=8).model
+    vanilla = build_runtime("vanilla", target, draft=draft, batch_slots=3, max_seq_len=48, dtype=DTYPE)
+    assert (vanilla.cache.batch_slots, vanilla.cache.max_seq_len, vanilla.cache.k.dtype) == (3, 48, DTYPE)
+    assert vanilla.gamma == 0 and vanilla.backend.name == "reference"
+    classic = build_runtime("classic", target, draft=draft, batch_slots=2, max_seq_len=40, dtype=DTYPE, gamma=2)
+    dcache = classic.drafter.cache
+    assert (dcache.batch_slots, dcache.max_seq_len, dcache.k.dtype, classic.gamma) == (2, 40, DTYPE, 2)
+    with pytest.raises(ConfigError, match="needs a draft model; pass --draft"):
+        build_runtime("classic", target, batch_slots=2, max_seq_len=-1, dtype=DTYPE)  # refused before allocating
+    by_hand = build_decoder("classic", MethodSetup(
+        target=target, target_cache=KVCache.allocate(target.config, 2, 40, DTYPE, "cpu"),
+        backend=get_backend("reference"), draft=draft, draft_cache=KVCache.allocate(draft.config, 2, 40, DTYPE, "cpu"),
+        gamma=2))
+    prompts, config = [[5, 9, 2, 7], [3, 1]], GenerationConfig(max_new_tokens=10)
+    assert classic.generate(prompts, config).tokens == by_hand.generate(prompts, config).tokens

@@ -21,11 +21,13 @@ from helpers.serving import (
     reference_kernels,
 )
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
-from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig, write_model_repository
 from trtllm_dustin.serving.engine import GenerationRequest, QueueFullError, RequestError, ServingEngine

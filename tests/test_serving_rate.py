@@ -15,9 +15,10 @@ import torch
 
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.inflight import InflightBatcher
-from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.serving import ServingConfig
 from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
 from trtllm_dustin.serving.text import TokenizerCodec

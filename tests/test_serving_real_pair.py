@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.registry import OFFERED
 from helpers.serving import reference_kernels
 
 from trtllm_dustin.cli import main
@@ -223,8 +224,8 @@ def test_serve_reports_the_model_that_failed_and_serves_the_others(served: Serve
 
 @pytest.fixture(scope="module")
 def method_answers(served: Served, reference) -> dict[str, tuple[dict, str]]:
-    """method -> (the server's answer, generate()'s) for one greedy request: the 13 requests sent at once, while this
-    process computes the references."""
+    """method -> (the server's answer, generate()'s) for one greedy request: one request per offered method, sent at
+    once, while this process computes the references."""
     prompt, tokens = PROMPTS[1], 6
     with ThreadPoolExecutor(len(OFFERED_METHODS)) as pool:
         answers = {m: pool.submit(generate, served, text_input=prompt, max_tokens=tokens, method=m)
@@ -236,7 +237,7 @@ def method_answers(served: Served, reference) -> dict[str, tuple[dict, str]]:
 @pytest.mark.parametrize("method", OFFERED_METHODS)
 def test_every_served_method_answers_what_generate_answers(served: Served, reference, method_answers,
                                                            method: str) -> None:
-    assert set(served.config.methods) == set(OFFERED_METHODS)  # exactly the registry's offered methods
+    assert served.config.methods == OFFERED  # exactly the offered methods, as the tests expect them
     out, want = method_answers[method]
     assert out["text_output"] == want, method
     assert out["prompt_tokens"] == len(reference.codec.encode(PROMPTS[1]))

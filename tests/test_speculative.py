@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import speculative
+from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
 
+import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 # The plugins' references on the CPU (test_dustin_end_to_end_on_the_triton_kernels runs the kernels, interpreted).
@@ -179,7 +182,7 @@ def test_selection_with_lengths_on_both_sides_of_the_budget(env: Env, vanilla_to
         indices = decoder.selector.inner.select(lengths, scores)
     if indices.dim() == 2:  # one set per slot; evaluation selectors may return one per KV head or per layer
         indices = indices[None, :, None]  # [1, B, 1, k]
-    elif getattr(decoder.selector, "per_layer", False):
+    elif decoder.selector.per_layer:
         indices = indices[:, :, None]  # [L, B, 1, k]
     else:
         indices = indices[None]  # [1, B, H_kv, k]
@@ -205,10 +208,7 @@ def test_dustin_end_to_end_on_the_triton_kernels(env: Env, monkeypatch: pytest.M
     prompts = PROMPTS[:2]
     tokens = {}
     for backend in ("reference", "triton"):
-        if backend == "reference" and env.device.type == "cpu":
-            monkeypatch.setenv("TRITON_INTERPRET", "0")  # the plugins' references too
-        else:
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch, not (backend == "reference" and env.device.type == "cpu"))  # the references too
         setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, 2, S_MAX, DTYPE,
                                                                              env.device),
                             backend=get_backend(backend), draft=env.draft,

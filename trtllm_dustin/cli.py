@@ -592,18 +592,15 @@ def _sparse_k(args: argparse.Namespace, method, dustin: DustinConfig | None) -> 
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     import torch
 
-    from trtllm_dustin.attention import get_backend
-    from trtllm_dustin.kv_cache import KVCache
     from trtllm_dustin.models.longspark import load_longspark
     from trtllm_dustin.plugins.kernel_config import KernelConfig
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.runtime.build import build_runtime
     from trtllm_dustin.runtime.generation import GenerationConfig
-    from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
-    from trtllm_dustin.runtime.pipeline_group import torchrun_world
+    from trtllm_dustin.runtime.methods import METHODS
+    from trtllm_dustin.runtime.pipeline import torchrun_world
     from trtllm_dustin.runtime.sampling import SamplingParams
 
     device = torch.device(args.device or _default_device())
@@ -638,17 +635,11 @@ def _generate(args: argparse.Namespace) -> int:
     draft_model = _load("draft", draft, device, dtype, share_with=loaded.model).model if draft is not None else None
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
     config = loaded.model.config
-    kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
-    if engine is not None and engine.tactics is not None:
-        kernels = replace(kernels, linear_tactics=str(engine.tactics))  # the engine's own (tuned) tactic table
-    backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
-    decoder = build_decoder(args.method, MethodSetup(
-        target=loaded.model, target_cache=KVCache.allocate(config, args.batch_size, max_seq_len, dtype, device),
-        backend=backend, draft=draft_model,
-        draft_cache=KVCache.allocate(draft_model.config, args.batch_size, max_seq_len, kv_dtypes[1], device)
-        if draft_model is not None else None,
-        gamma=args.gamma, draft_budget=args.draft_budget, dustin=dustin, longspark=longspark,
-        use_cuda_graph=not args.no_cuda_graph, kernels=kernels))
+    decoder = build_runtime(  # the TRTLLM_DUSTIN_* switches read once; an engine brings its own (tuned) tactic table
+        args.method, loaded.model, draft=draft_model, longspark=longspark, dustin=dustin, batch_slots=args.batch_size,
+        max_seq_len=max_seq_len, dtype=dtype, draft_kv_dtype=kv_dtypes[1] if draft_model is not None else None,
+        device=device, kernels=KernelConfig.from_env(), tactics=engine.tactics if engine is not None else None,
+        backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, use_cuda_graph=not args.no_cuda_graph)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
     prompts = [prompt] * args.batch_size
@@ -684,25 +675,27 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
 
 
 def _generate_pipeline(args: argparse.Namespace) -> int:
-    """generate under torchrun: this process is one stage of a --pp-size engine (runtime/pipeline.py). It opens and
+    """generate under torchrun: this process is one stage of a --pp-size engine (runtime/pipeline/). It opens and
     checks only its own files, every rank states what it started with (a mismatch, or a rank that failed to start,
     stops all of them with one line), loads its own layers (rank 0 also the draft), and decodes; rank 0 prints (main
     silences the others' stdout)."""
     import hashlib
-    from dataclasses import replace
 
-    from trtllm_dustin.attention import get_backend
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.kv_cache import MemoryPlanError
     from trtllm_dustin.models.errors import ModelLoadError
     from trtllm_dustin.plugins.kernel_config import KernelConfig
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+    from trtllm_dustin.runtime.build import attention_backend, runtime_kernels
     from trtllm_dustin.runtime.generation import GenerationConfig
     from trtllm_dustin.runtime.methods import METHODS
-    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup
-    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
-    from trtllm_dustin.runtime.pipeline_selection import pipeline_method
-    from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+    from trtllm_dustin.runtime.pipeline import (
+        PipelineDecoder,
+        PipelineGroup,
+        PipelineSetup,
+        PipelineStage,
+        pipeline_method,
+    )
     from trtllm_dustin.runtime.sampling import SamplingParams
 
     if args.engine is None:
@@ -743,10 +736,8 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
         print(f"target: layers [{a}, {z}) of {target.config.num_layers} here (each of the {group.world} ranks loads "
               f"its own shard), loaded in {time.perf_counter() - start:.1f} s", flush=True)
         draft_model = _load("draft", draft, device, dtype).model if draft is not None and group.first else None
-        kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
-        if engine.tactics is not None:
-            kernels = replace(kernels, linear_tactics=str(engine.tactics))
-        backend = get_backend(args.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
+        kernels = runtime_kernels(KernelConfig.from_env(), engine.tactics)  # the TRTLLM_DUSTIN_* switches, read once
+        backend = attention_backend(device, kernels, args.backend)
         decoder = PipelineDecoder(PipelineSetup(
             args.method, stage, group, backend, args.batch_size, max_seq_len,
             draft_config=draft.config if draft is not None else None, draft=draft_model, gamma=args.gamma,
@@ -989,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.kv_cache import MemoryPlanError
     from trtllm_dustin.models.errors import ModelLoadError
-    from trtllm_dustin.runtime.pipeline_group import PipelineError
+    from trtllm_dustin.runtime.pipeline import PipelineError
 
     args = build_parser().parse_args(argv)
     try:

@@ -27,13 +27,14 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.plugins.selection import select_verify_indices
 from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors.adaptive_share import AdaptiveShare
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["DustinSelector"]
 
 
-class DustinSelector:
+class DustinSelector(Selector):
     def __init__(self, config: DustinConfig, cache: KVCache, target: ModelConfig, query_dtype: torch.dtype,
                  lookahead: Lookahead, share: AdaptiveShare | None = None, pdl: bool = False,
                  history_decay: float | None = None, per_kv_head: bool = False) -> None:

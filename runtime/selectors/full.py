@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["FullVerification"]
 
 
-class FullVerification:
+class FullVerification(Selector):
     budget = None
     in_pass = None  # no selection inside the verification pass
     target_query_layers: tuple[int, ...] = ()

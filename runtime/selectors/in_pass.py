@@ -40,6 +40,7 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.plugins.selection import keep_all_indices
 from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["PAGE", "InPassSelector", "head_weights", "page_bounds", "page_key_range"]
@@ -97,7 +98,7 @@ def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, lengt
     return torch.where(filled, chosen.nan_to_num(0.0), 0.0)
 
 
-class InPassSelector:
+class InPassSelector(Selector):
     """Selection layers as a Selector: the set is chosen inside the verification pass (module doc)."""
 
     def __init__(self, config: DustinConfig, cache: KVCache, target: ModelConfig, lookahead: Lookahead | None,

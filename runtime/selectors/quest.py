@@ -21,6 +21,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.plugins.selection import keep_all_indices
 from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["QuestSelector", "quest_indices", "quest_page_scores"]
@@ -73,7 +74,7 @@ def quest_indices(page_scores: torch.Tensor, seqlens: torch.Tensor, budget: int,
     return torch.where(seqlens[:, None] > budget, chosen, keep_all_indices(seqlens, budget))
 
 
-class QuestSelector:
+class QuestSelector(Selector):
     """Quest's page selection with one set per slot (see the module doc for the deviations)."""
 
     def __init__(self, budget: int, n_sink: int, cache: KVCache, target: ModelConfig, query_dtype: torch.dtype,

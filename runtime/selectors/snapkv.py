@@ -22,6 +22,7 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.selection import keep_all_indices
 from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.prefill import slot_range
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["SnapKVSelector", "snapkv_indices", "snapkv_priority", "snapkv_scores"]
@@ -92,7 +93,7 @@ def snapkv_indices(priority: torch.Tensor, prompt_lens: torch.Tensor, seqlens: t
     return torch.where(seqlens[:, None] > budget, chosen, keep_all_indices(seqlens, budget))
 
 
-class SnapKVSelector:
+class SnapKVSelector(Selector):
     """SnapKV's set per slot: ranked when the slot's prompt is admitted, then fixed (see the module doc)."""
 
     target_query_layers: tuple[int, ...] = ()

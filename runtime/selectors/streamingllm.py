@@ -7,12 +7,13 @@ import torch
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.plugins.selection import streaming_indices
 from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
 __all__ = ["StreamingLLMSelector"]
 
 
-class StreamingLLMSelector:
+class StreamingLLMSelector(Selector):
     target_query_layers: tuple[int, ...] = ()
 
     def __init__(self, budget: int, n_sink: int, slots: int, device: torch.device) -> None:

@@ -18,6 +18,16 @@ needs_interpreter = pytest.mark.skipif(HAS_CUDA or not INTERPRET,
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 6e-2)}
 
 
+def use_interpreter(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """CPU tensors take the Triton kernels (in the interpreter) or, off, the plugins' PyTorch references: in this
+    process (plugins.split_kv.INTERPRET, read once at import) and in the processes it starts (TRITON_INTERPRET).
+    Turning it on helps only where the interpreter was chosen at import (conftest: no GPU)."""
+    from trtllm_dustin.plugins import split_kv
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if on else "0")
+    monkeypatch.setattr(split_kv, "INTERPRET", on)
+
+
 def write_tactics(path, entries: list[dict], gpu: str = "test") -> str:
     """A skinny-GEMM tactic table file (plugins/linear_tactics.py) holding `entries`; returns its path."""
     import json

@@ -13,7 +13,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def vanilla_decoder(model, cache, backend: str = "reference", use_cuda_graph: bool = True):
     """The registry's vanilla method (no draft, full verification) over `model` and its cache."""
     from trtllm_dustin.attention import get_backend
-    from trtllm_dustin.runtime.methods import MethodSetup, build_decoder
+    from trtllm_dustin.runtime.build import build_decoder
+    from trtllm_dustin.runtime.methods import MethodSetup
 
     return build_decoder("vanilla", MethodSetup(target=model, target_cache=cache, backend=get_backend(backend),
                                                 use_cuda_graph=use_cuda_graph))

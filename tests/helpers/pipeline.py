@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -23,7 +24,7 @@ from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.loading import _random_init
 from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline import PipelineStage
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 __all__ = ["BATCH", "CONFIGS", "DTYPE", "DUSTIN", "GAMMA", "PROMPTS", "S_MAX", "Launch", "free_port", "launch",
@@ -69,7 +70,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, job: Callable, payloa
     with the error, if any, that ended the rank."""
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
-    from trtllm_dustin.runtime.pipeline_group import PipelineGroup
+    from trtllm_dustin.runtime.pipeline import PipelineGroup
 
     record = {}
     try:
@@ -93,8 +94,12 @@ class Launch:
         self.out, self.start = out, time.monotonic()
         self.procs = [ctx.Process(target=_rank_main, args=(rank, world, port, str(out), job, payload))
                       for rank in range(world)]
-        for p in self.procs:
-            p.start()
+        # A spawned rank imports this module, and with it the plugins, before _rank_main runs: it must inherit
+        # TRITON_INTERPRET=0 (the plugins read it once, at import) to take the CPU references.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TRITON_INTERPRET", "0")
+            for p in self.procs:
+                p.start()
 
     def join(self, wait_s: float = 240.0) -> list[dict]:
         for p in self.procs:
@@ -121,9 +126,9 @@ def launch(world: int, job: Callable, payload: dict, out: Path, on_start: Callab
 
 
 def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **changes):
-    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, stage_layers
+    from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, layer_split
 
-    start, stop = stage_layers(target.config.num_layers, group.world)[group.rank]
+    start, stop = layer_split(target.config.num_layers, group.world)[group.rank]
     stage = PipelineStage.from_model(target, start, stop, group.rank, group.world)
     setup = PipelineSetup(method, stage, group, get_backend("reference"), BATCH, S_MAX, draft_config=draft.config,
                           draft=draft if group.first else None, gamma=GAMMA, draft_budget=12, dustin=DUSTIN,

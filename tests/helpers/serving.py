@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
+import pytest
 import torch
 
+from helpers.kernels import use_interpreter
 from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig
 
@@ -41,15 +43,9 @@ def prompt_text(index: int, length: int) -> str:
 def reference_kernels() -> Iterator[None]:
     """Run the plugins' CPU path (their PyTorch references), as the served model does, instead of the Triton
     interpreter that conftest turns on: the same numbers on both sides, and ~100x faster for Dustin."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        use_interpreter(patch, False)
         yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 @functools.cache

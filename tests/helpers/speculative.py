@@ -19,8 +19,9 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.longspark import LongSpark, random_longspark
+from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 
 __all__ = ["DTYPE", "GAMMA", "PROMPTS", "S_MAX", "Env", "dustin_config", "env", "run", "vanilla_tokens"]
 

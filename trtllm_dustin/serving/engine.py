@@ -22,21 +22,20 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from trtllm_dustin.attention import get_backend
 from trtllm_dustin.build_engines.engine import open_engine
-from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
+from trtllm_dustin.runtime.build import attention_backend, build_runtime, runtime_kernels
 from trtllm_dustin.runtime.decoder import Decoder
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
+from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
@@ -405,7 +404,7 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
     dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     speculative = any(METHODS[m].needs_draft for m in config.methods)
     needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
-    kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once for every method served
+    tactics = None  # an engine's own tactic table
     dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
     if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
         engine = open_engine(config.engine, device=device, serving=True)
@@ -422,24 +421,19 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         loaded = engine.target.load(device, dtype)
         draft = engine.draft.load(device, dtype).model if speculative else None
         spark_spec = str(engine.longspark) if needs_spark else None
-        if engine.tactics is not None:
-            kernels = replace(kernels, linear_tactics=str(engine.tactics))
+        tactics = engine.tactics
     else:
         loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
         draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
                            share_with=loaded.model).model if speculative else None
     longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
-    backend = get_backend(config.backend or ("triton" if device.type == "cuda" else "reference"), kernels)
-    decoders = {}
-    for method in config.methods:
-        needs_draft = METHODS[method].needs_draft
-        target_cache = KVCache.allocate(loaded.model.config, slots, config.max_seq_len, dtype, device)
-        draft_cache = KVCache.allocate(draft.config, slots, config.max_seq_len, draft_kv_dtype(draft_kv_cache, dtype),
-                                       device) if needs_draft else None
-        decoders[method] = build_decoder(method, MethodSetup(
-            target=loaded.model, target_cache=target_cache, backend=backend, draft=draft if needs_draft else None,
-            draft_cache=draft_cache, gamma=config.gamma, draft_budget=config.draft_budget, dustin=dustin,
-            longspark=longspark, use_cuda_graph=config.use_cuda_graph, kernels=kernels))
+    kernels = runtime_kernels(KernelConfig.from_env(), tactics)  # the TRTLLM_DUSTIN_* switches, read once for all
+    backend = attention_backend(device, kernels, config.backend)
+    decoders = {method: build_runtime(  # each method keeps its own KV caches
+        method, loaded.model, draft=draft, longspark=longspark, dustin=dustin, batch_slots=slots,
+        max_seq_len=config.max_seq_len, dtype=dtype, draft_kv_dtype=draft_kv_dtype(draft_kv_cache, dtype),
+        device=device, kernels=kernels, backend=backend, gamma=config.gamma, draft_budget=config.draft_budget,
+        use_cuda_graph=config.use_cuda_graph) for method in config.methods}
     # Prompt ids must embed in both models: a draft may have a smaller (padded) vocabulary than its target
     # (Qwen2.5-0.5B 151936, Qwen2.5-7B 152064), and an id past the draft's table fails inside its embedding.
     vocab = loaded.model.config.vocab_size if draft is None else min(loaded.model.config.vocab_size,

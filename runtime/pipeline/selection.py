@@ -29,7 +29,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.selectors import DustinSelector
 from trtllm_dustin.runtime.state import Observation
 

@@ -6,7 +6,7 @@ round state and the run's Progress. The first stage (rank 0) also holds the draf
 Selector (built by the registry, runtime/methods.py) and the draft's caches; the last stage has the logits and
 decides acceptance. One round of one micro-batch, message by message (tags are the _Tag names):
 
-    rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (pipeline_selection.py: S_target arrives
+    rank 0       draft Γ tokens (the Drafter), estimate + select I_verify (selection.py: S_target arrives
                  from the stages that own the SRH layers), embed [cur, drafts] and run its layers
     0 -> 1       HIDDEN [b, Γ+1, H], TOKENS int64 [b, Γ+1], INDICES int32 [b, k] (sparse methods)
     s -> s+1     the same, after stage s's layers (every stage reads the same I_verify: it is layer-invariant; with
@@ -51,19 +51,21 @@ from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.acceptors import GreedyAcceptor, RejectionAcceptor
+from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
-from trtllm_dustin.runtime.methods import METHODS, MethodSetup, build_decoder
-from trtllm_dustin.runtime.pipeline_group import PipelineGroup
-from trtllm_dustin.runtime.pipeline_selection import TargetHistory, pipeline_method, sum_in_order
-from trtllm_dustin.runtime.pipeline_stage import PipelineStage
+from trtllm_dustin.runtime.methods import METHODS
+from trtllm_dustin.runtime.pipeline.group import PipelineGroup
+from trtllm_dustin.runtime.pipeline.layers import layer_split
+from trtllm_dustin.runtime.pipeline.selection import TargetHistory, pipeline_method, sum_in_order
+from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors import InPassSelector
 from trtllm_dustin.runtime.state import Observation, Progress, RoundState
 
-__all__ = ["PipelineDecoder", "PipelineSetup", "stage_layers"]
+__all__ = ["PipelineDecoder", "PipelineSetup"]
 
 
 class _Tag(IntEnum):
@@ -78,13 +80,6 @@ class _Tag(IntEnum):
     FIRST = 9
     SEED = 10  # in-pass selection: round 1's set, from the owner of the first selection layer to the first stage
     CHOSEN = 11  # in-pass selection: the set the pass chose, from the last stage to the first
-
-
-def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """The engine's split (build_engines/engine.py layer_split): contiguous ranges, the first ones one layer longer."""
-    from trtllm_dustin.build_engines.engine import layer_split
-
-    return layer_split(num_layers, pp_size)
 
 
 @dataclass(frozen=True)
@@ -117,7 +112,7 @@ class PipelineSetup:
                               "(trtllm-dustin generate without torchrun)")
         if (stage.rank, stage.pp_size) != (group.rank, group.world):
             raise ConfigError(f"stage {stage.rank} of {stage.pp_size} runs on rank {group.rank} of {group.world}")
-        expected = stage_layers(stage.config.num_layers, stage.pp_size)[stage.rank]
+        expected = layer_split(stage.config.num_layers, stage.pp_size)[stage.rank]
         if (stage.start, stage.stop) != expected:
             raise ConfigError(f"rank {stage.rank} holds layers [{stage.start}, {stage.stop}); the split gives it "
                               f"[{expected[0]}, {expected[1]})")
@@ -244,7 +239,7 @@ class PipelineDecoder:
         self.gamma = setup.speculative_gamma
         self.dtype = next(stage.parameters()).dtype
         self.kv_dtype = setup.kv_dtype or self.dtype
-        self.owner = {layer: rank for rank, (start, stop) in enumerate(stage_layers(stage.config.num_layers,
+        self.owner = {layer: rank for rank, (start, stop) in enumerate(layer_split(stage.config.num_layers,
                                                                                      stage.pp_size))
                       for layer in range(start, stop)}  # global layer -> the rank that holds it
         self.shared_vocab = setup.draft_config.vocab_size if self.spec.needs_draft else stage.config.vocab_size
@@ -308,17 +303,13 @@ class PipelineDecoder:
             mb.inbox[_Tag.PROBS] = torch.empty(b, self.gamma, stage.config.vocab_size, dtype=torch.float32,
                                                device=self.device)
         if stage.first:
-            draft = setup.draft if self.spec.needs_draft else None
             dustin = setup.dustin
             if dustin is not None and self.split.dustin_variant is not None:
                 dustin = self.split.first_stage_config(dustin)
-            decoder = build_decoder(setup.method, MethodSetup(
-                target=stage, target_cache=cache, backend=setup.backend, draft=draft,
-                draft_cache=KVCache.allocate(draft.config, b, setup.max_seq_len,
-                                             setup.draft_kv_dtype or draft.embed.weight.dtype, self.device)
-                if draft is not None else None,
-                gamma=setup.gamma, draft_budget=setup.draft_budget, dustin=dustin,
-                use_cuda_graph=setup.use_cuda_graph, kernels=setup.kernels))
+            decoder = build_runtime(setup.method, stage, draft=setup.draft, dustin=dustin, target_cache=cache,
+                                    draft_kv_dtype=setup.draft_kv_dtype, kernels=setup.kernels,
+                                    backend=setup.backend, gamma=setup.gamma, draft_budget=setup.draft_budget,
+                                    use_cuda_graph=setup.use_cuda_graph)
             if decoder.gamma != self.gamma or decoder.selector.budget != self.budget:
                 raise RuntimeError(f"{setup.method}: the registry built gamma {decoder.gamma}, k "
                                    f"{decoder.selector.budget}; the pipeline expected {self.gamma}, {self.budget}")

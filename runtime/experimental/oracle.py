@@ -24,6 +24,7 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.plugins.selection import keep_all_indices
 from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import PrefillView
+from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, RoundState
 
 __all__ = ["ORACLE_KINDS", "OracleSelector", "attention_mass", "top_k_set"]
@@ -63,7 +64,7 @@ def top_k_set(scores: torch.Tensor, lengths: torch.Tensor, budget: int, batch_ax
     return torch.where(length > budget, chosen, every)
 
 
-class OracleSelector:
+class OracleSelector(Selector):
     """The oracle set of one kind (ORACLE_KINDS), from a full pass of the target over the round's tokens."""
 
     def __init__(self, kind: str, budget: int, target: Transformer, cache: KVCache, backend: AttentionBackend,
@@ -95,7 +96,7 @@ class OracleSelector:
 
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor:
         if self.state is None:
-            raise RuntimeError("OracleSelector: bind(decoder.state) first (build_decoder does)")
+            raise RuntimeError("OracleSelector: bind(decoder.state) first (the Decoder does when it is built)")
         self._tokens[:, 0] = self.state.cur
         self._tokens[:, 1:] = self.draft_tokens
         self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
