@@ -103,15 +103,29 @@ class Pair:
 def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers: tuple[int, ...],
                  draft_heads: tuple[int, ...], num_layers: int) -> DustinConfig:
     # Hand-written placeholders, not searched: they fix the estimator's cost, not its quality. The in-pass selection
-    # layer sits at the depth the search chose for the real pair (SELECTION_DEPTH) and scores on 4 heads of 4 KV
-    # groups, as the searched config does on its layer's 4 SRH heads.
-    selection = LayerHeads(round(SELECTION_DEPTH * num_layers), target_heads)
+    # layers (and the pooled layers below the first) sit at the depths the search chose for the real pair (the
+    # packaged SmolLM2 config, `search-layers`), each scoring on 4 heads of 4 KV groups, as the searched config does
+    # on its layers' 4 SRH heads.
+    selection, pool = _packaged_depths()
+    at = sorted({min(num_layers - 1, round(d * num_layers)) for d in selection})
+    below = sorted({round(d * num_layers) for d in pool} - set(at))
     return DustinConfig(target_layers=(LayerHeads(target_layer, target_heads),),
                         draft_layers=tuple(LayerHeads(layer, draft_heads) for layer in draft_layers), budget=512,
-                        m=128, selection_layers=(selection,))
+                        m=128, selection_layers=tuple(LayerHeads(layer, target_heads) for layer in at),
+                        pool_layers=tuple(LayerHeads(layer, target_heads) for layer in below if layer < at[0]))
 
 
-SELECTION_DEPTH = 0.7  # the packaged SmolLM2 config's selection layer (21) over its 30 layers (`search-layers`)
+def _packaged_depths() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The depths (layer / layer count) of the packaged config's selection and pooled layers."""
+    from trtllm_dustin.models.packaged import default_dustin_config_path
+
+    config = DustinConfig.load(default_dustin_config_path())
+    n = SMOLLM2_LAYERS
+    return (tuple(lh.layer / n for lh in config.selection_layers) or (0.7,),
+            tuple(lh.layer / n for lh in config.pool_layers))
+
+
+SMOLLM2_LAYERS = 30  # the layer count of the model the packaged config was searched on
 
 
 PAIRS = {

@@ -55,7 +55,7 @@ quality)
   trap 'tar czf "$OUT/quality_h200.tgz" -C "$R" .' EXIT  # whatever finished comes back, also at the deadline
   # the selection-layer search on the train split's windows (saved where the corpora are, .carry/search_windows.npz)
   python3 -m trtllm_dustin.search.cli search-layers --target "$GGUF" --windows .carry/search_windows.npz \
-    --srh .carry/srh_smollm2.json --window 4096 --steps 24 --documents 6 --needles 12 --device cuda \
+    --srh .carry/srh_smollm2.json --window 4096 --steps 24 --documents 6 --needle-windows 12 --device cuda \
     --out "$R/dustin_searched.json" 2>&1 | grep -vE "it/s\]|s/it\]|layer/s\]|s/layer\]" | tail -4
   cp "$R/dustin_searched.json" trtllm_dustin/weights/smollm2_draft/dustin.json  # what the runs below read
   cd benchmarks

@@ -9,6 +9,7 @@ holding a shared prefill, a backend shared with that prefill) and the factory bu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
                   target_cache: KVCache | None = None, draft_cache: KVCache | None = None,
                   kernels: KernelConfig | None = None, tactics: str | Path | None = None,
                   backend: str | AttentionBackend | None = None, gamma: int = 3, draft_budget: int = 512,
-                  use_cuda_graph: bool = True) -> Decoder:
+                  use_cuda_graph: bool = True, longspark_kv: Mapping | None = None) -> Decoder:
     """The decoder of registered `method` over `target` (a Transformer, or a pipeline's first stage).
 
     Caches: `target_cache` when given (a shared prefill, a pipeline stage's own layers), else one of batch_slots x
@@ -57,7 +58,8 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
     The draft model and its cache are used only by methods that draft with it. Kernels: runtime_kernels(kernels,
     tactics), given to the models, the backend and the round's ops. backend: a registered name (attention_backend's
     default for None), built with those kernels, or a built backend used as it is (one a prefill beside the decoder
-    shares).
+    shares). longspark_kv: a pipeline's first stage hands the LongSpark drafter the later stages' K/V of the layers it
+    reads (runtime/pipeline/longspark.py); its `longspark` is then attached to the whole model elsewhere.
     Every check that needs no memory (the method, its models, its config) runs before a cache is allocated.
     """
     spec = method_spec(method)
@@ -66,7 +68,8 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
     if device is None:
         device = target_cache.seqlens.device if target_cache is not None else next(target.parameters()).device
     device = torch.device(device)
-    _check_inputs(method, spec, target, draft, longspark, dustin, use_cuda_graph, device)
+    _check_inputs(method, spec, target, draft, longspark, dustin, use_cuda_graph, device,
+                  relayed=longspark_kv is not None)
     kernels = runtime_kernels(kernels, tactics)
     if backend is None or isinstance(backend, str):
         backend = attention_backend(device, kernels, backend)
@@ -79,8 +82,8 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
                                        draft_kv_dtype or draft.embed.weight.dtype, device)
     return build_decoder(method, MethodSetup(
         target=target, target_cache=target_cache, backend=backend, draft=draft, draft_cache=draft_cache, gamma=gamma,
-        draft_budget=draft_budget, dustin=dustin, longspark=longspark, use_cuda_graph=use_cuda_graph,
-        kernels=kernels))
+        draft_budget=draft_budget, dustin=dustin, longspark=longspark, longspark_kv=longspark_kv,
+        use_cuda_graph=use_cuda_graph, kernels=kernels))
 
 
 def build_decoder(method: str, setup: MethodSetup) -> Decoder:
@@ -91,7 +94,7 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
     if spec.needs_draft and setup.draft_cache is None:
         raise ConfigError(f"method {method} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
     _check_inputs(method, spec, setup.target, setup.draft, setup.longspark, setup.dustin, setup.use_cuda_graph,
-                  tcache.seqlens.device)
+                  tcache.seqlens.device, relayed=setup.longspark_kv is not None)
     if spec.needs_draft:
         dcache = setup.draft_cache
         if (tcache.batch_slots, tcache.max_seq_len) != (dcache.batch_slots, dcache.max_seq_len):
@@ -114,14 +117,15 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
 
 def _check_inputs(method: str, spec: Method, target: Transformer, draft: Transformer | None,
                   longspark: LongSpark | None, dustin: DustinConfig | None, use_cuda_graph: bool,
-                  device: torch.device) -> None:
-    """What the method needs beside the target, each refusal naming the option that gives it."""
+                  device: torch.device, relayed: bool = False) -> None:
+    """What the method needs beside the target, each refusal naming the option that gives it (relayed: a pipeline's
+    first stage hands the LongSpark drafter the later stages' K/V, so its target is the whole model elsewhere)."""
     if spec.needs_draft and draft is None:
         raise ConfigError(f"method {method} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
     if spec.needs_longspark and longspark is None:
         raise ConfigError(f"method {method} needs a LongSpark drafter; pass --longspark DIR (default with the default "
                           "model: the packaged one)")
-    if spec.needs_longspark and longspark.target is not target:
+    if spec.needs_longspark and not relayed and longspark.target is not target:
         raise ConfigError(f"method {method}: the LongSpark drafter is attached to another target model than this one")
     if spec.eager_only and use_cuda_graph and device.type == "cuda":
         raise ConfigError(f"{method} decides on the host round by round and cannot run in CUDA graphs; build it with "

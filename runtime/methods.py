@@ -11,8 +11,10 @@ compares at the same k), or MethodSetup.draft_budget when no Dustin config is gi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from trtllm_dustin.attention import AttentionBackend
 from trtllm_dustin.config import ConfigError
@@ -45,7 +47,7 @@ from trtllm_dustin.runtime.selectors import (
 
 __all__ = ["FULL_DRAFT", "METHODS", "OFFERED_METHODS", "DrafterFactory", "Method", "MethodSetup", "SelectorFactory",
            "baseline_budget", "dustin_longspark_selector", "dustin_selector", "in_pass_selector", "longspark_drafter",
-           "method_spec", "model_drafter", "register_methods"]
+           "longspark_lookahead", "method_spec", "model_drafter", "register_methods"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class MethodSetup:
     draft_budget: int = 512  # MagicDec's StreamingLLM budget for the draft (and the baselines' k without a config)
     dustin: DustinConfig | None = None  # Dustin's searched estimator configuration
     longspark: LongSpark | None = None  # a LongSpark drafter attached to the target (the longspark methods)
+    # Where the LongSpark drafter reads its target layers' K/V when target_cache does not hold them all (a pipeline's
+    # first stage): target layer -> (K, V) [B, H_kv, S_max, D]; None: target_cache's layers
+    longspark_kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     use_cuda_graph: bool = True  # replay the round's fixed-shape phases from CUDA graphs (CUDA only)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # given to both models; the graphs record it
 
@@ -100,7 +105,8 @@ def model_drafter(view: Callable[[MethodSetup], DraftView]) -> DrafterFactory:
 
 
 def longspark_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
-    return LongSparkDrafter(setup.longspark, setup.target_cache, setup.gamma, graphs, setup.kernels.round_kernels)
+    return LongSparkDrafter(setup.longspark, setup.target_cache, setup.gamma, graphs, setup.kernels.round_kernels,
+                            setup.longspark_kv)
 
 
 def _verification_set(setup: MethodSetup) -> DraftView:
@@ -156,16 +162,25 @@ def dustin_longspark_selector(variant: str) -> SelectorFactory:
     def build(setup: MethodSetup, drafter: Drafter) -> Selector:
         base = setup.dustin
         base.check_models(setup.target.config, None)
-        reads = setup.longspark.config.target_layers
-        blocks = tuple(LayerHeads(reads.index(lh.layer), lh.heads) for lh in base.target_layers if lh.layer in reads)
-        if not blocks and variant != "t":
-            raise ConfigError(f"the LongSpark drafter reads target layers {list(reads)}, none of the Dustin config's "
-                              f"SRH layers {[lh.layer for lh in base.target_layers]}; its lookahead cannot be scored")
-        config = replace(base, draft_layers=blocks, draft_fingerprint="").variant(variant)
+        # A pipeline's first stage passes the config already on the LongSpark blocks and without its SRH target
+        # layers (their S_target is scored on the stages that hold them: runtime/pipeline/selection.py).
+        config = (longspark_lookahead(base, setup.longspark.config.target_layers, variant) if base.target_layers
+                  else base).variant(variant)
         lookahead = drafter.lookahead([lh.layer for lh in config.draft_layers])
         return DustinSelector(config, setup.target_cache, setup.target.config, setup.target.embed.weight.dtype,
                               lookahead, pdl=setup.kernels.pdl)
     return build
+
+
+def longspark_lookahead(base: DustinConfig, reads: Sequence[int], variant: str) -> DustinConfig:
+    """The Dustin config over a LongSpark draft that reads target layers `reads`: its draft layers are the LongSpark
+    blocks of the SRH target layers it reads (block j reads reads[j]), each with that layer's heads."""
+    reads = tuple(reads)
+    blocks = tuple(LayerHeads(reads.index(lh.layer), lh.heads) for lh in base.target_layers if lh.layer in reads)
+    if not blocks and variant != "t":
+        raise ConfigError(f"the LongSpark drafter reads target layers {list(reads)}, none of the Dustin config's "
+                          f"SRH layers {[lh.layer for lh in base.target_layers]}; its lookahead cannot be scored")
+    return replace(base, draft_layers=blocks, draft_fingerprint="")
 
 
 def baseline_budget(setup: MethodSetup) -> tuple[int, int]:

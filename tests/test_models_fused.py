@@ -93,7 +93,7 @@ def test_fused_default_is_on_for_cuda_inputs_and_ignores_the_environment(monkeyp
     def no_fused(*args, **kwargs):
         raise AssertionError("the fused path ran for CPU inputs with fused_elementwise=None")
 
-    monkeypatch.setattr(model, "_forward_fused", no_fused)
+    monkeypatch.setattr(model, "_run_layers_fused", no_fused)
     tokens, lens = torch.tensor([[5, 6]]), torch.tensor([3], dtype=torch.int32)
     cache = KVCache.allocate(model.config, 1, 16, torch.float32, "cpu")
     cache.seqlens.copy_(lens)

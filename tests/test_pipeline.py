@@ -20,7 +20,19 @@ import pytest
 import torch
 from helpers.kernels import use_interpreter
 from helpers.models import DEVICES
-from helpers.pipeline import BATCH, CONFIGS, DTYPE, DUSTIN, GAMMA, PROMPTS, S_MAX, Launch, models, pipeline_decoder
+from helpers.pipeline import (
+    BATCH,
+    CONFIGS,
+    DTYPE,
+    DUSTIN,
+    GAMMA,
+    PROMPTS,
+    S_MAX,
+    Launch,
+    longspark,
+    models,
+    pipeline_decoder,
+)
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
@@ -34,6 +46,12 @@ from trtllm_dustin.runtime.pipeline import PIPELINE_METHODS, PipelineStage, pipe
 
 REQUIRED = ["vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "dustin-ip-sparse-draft"]
 EXTRA = ["dustin-t", "dustin-d", "streamingllm", "dustin-ip"]  # also split; greedy, 2 processes, one micro-batch
+# The LongSpark draft, whose layers 1 and 2 live on the first and the last stage of 2, a middle and the last of 3:
+# greedy on 2 and 3 processes, one micro-batch and one per stage; dustin-t-longspark as EXTRA. Its summaries fold
+# the prompt rows up to the batch's longest prompt (the masked rows' zero weights change the sums' rounding), so a
+# micro-batch's tokens are those of a single-process batch of the micro-batch's slots.
+LONGSPARK = ["longspark", "dustin-h-longspark", "dustin-ip-longspark"]
+LONGSPARK_EXTRA = ["dustin-t-longspark"]
 MICRO = {2: 2, 3: 3}  # micro-batches of the micro-batched runs: one per stage keeps every stage busy
 
 
@@ -60,12 +78,19 @@ def run_cases(group, payload, record) -> None:
 
 def cases(world: int) -> list[tuple[str, str, int]]:
     runs = [(m, s, micro) for m in REQUIRED for s in CONFIGS for micro in (1, MICRO[world])]
-    return runs + ([(m, "greedy", 1) for m in EXTRA] if world == 2 else [])
+    runs += [(m, "greedy", micro) for m in LONGSPARK for micro in (1, MICRO[world])]
+    return runs + ([(m, "greedy", 1) for m in EXTRA + LONGSPARK_EXTRA] if world == 2 else [])
 
 
-def reference(method: str, sampling: str, per_slot: bool) -> list[list[int]]:
+def micro_batch_sizes(micro: int) -> list[int]:
+    """The slots of each micro-batch, as PipelineDecoder splits the batch."""
+    return [BATCH // micro + (m < BATCH % micro) for m in range(micro)]
+
+
+def reference(method: str, sampling: str, per_slot: bool, split: int = 1) -> list[list[int]]:
     """The single-process runtime on the whole model: the batch at once, or (per_slot) each prompt alone in a
-    one-slot decoder seeded seed + its index."""
+    one-slot decoder seeded seed + its index; split (greedy): the batch as `split` micro-batches, each a
+    single-process batch of its slots."""
     target, draft = models()
     config = CONFIGS[sampling]
 
@@ -74,8 +99,12 @@ def reference(method: str, sampling: str, per_slot: bool) -> list[list[int]]:
             target=target, target_cache=KVCache.allocate(target.config, slots, S_MAX, DTYPE, "cpu"),
             backend=get_backend("reference"), draft=draft,
             draft_cache=KVCache.allocate(draft.config, slots, S_MAX, DTYPE, "cpu"), gamma=GAMMA, draft_budget=12,
-            dustin=DUSTIN))
+            dustin=DUSTIN, longspark=longspark(target)))
 
+    if split > 1:
+        starts = [sum(micro_batch_sizes(split)[:m]) for m in range(split)]
+        return [row for a, n in zip(starts, micro_batch_sizes(split), strict=True)
+                for row in decoder(n).generate(PROMPTS[a: a + n], config).tokens]
     if not per_slot:
         return decoder(BATCH).generate(PROMPTS, config).tokens
     seeded = [replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + b)) for b in range(BATCH)]
@@ -91,12 +120,16 @@ def runs(tmp_path_factory) -> tuple[dict[int, list[dict]], dict[tuple[str, str, 
     with pytest.MonkeyPatch.context() as patch, one_thread():
         use_interpreter(patch, False)  # the plugins' references on the CPU, as in the ranks
         # greedy tokens do not depend on the generators: one batched reference serves the micro-batched runs too
-        wanted = [(m, "greedy", False) for m in REQUIRED + EXTRA] + \
+        wanted = [(m, "greedy", False) for m in REQUIRED + EXTRA + LONGSPARK + LONGSPARK_EXTRA] + \
             [(m, "sampled", per_slot) for m in REQUIRED for per_slot in (False, True)]
         refs = {case: reference(*case) for case in wanted}
+        refs |= {(m, "greedy", False, micro): reference(m, "greedy", False, micro)
+                 for m in LONGSPARK for micro in set(MICRO.values())}
     # The comparisons below can fail: sparse verification changes the text, sampling changes it, and per-slot
     # generators draw other numbers than the batch's one.
     assert refs["dustin-h", "greedy", False] != refs["vanilla", "greedy", False]
+    # LongSpark drafts other tokens than the draft model, and its sparse verifications change the text
+    assert len({str(refs[m, "greedy", False]) for m in LONGSPARK + ["classic", "vanilla"]}) >= 3
     for m in REQUIRED:
         assert refs[m, "greedy", False] != refs[m, "sampled", False] != refs[m, "sampled", True]
         assert all(len(t) == CONFIGS["greedy"].max_new_tokens for t in refs[m, "greedy", False])
@@ -117,7 +150,21 @@ def test_pipeline_equals_the_single_process_runtime(runs, world: int, method: st
         assert record["result"][key] == expected
 
 
-@pytest.mark.parametrize("method", EXTRA)
+@pytest.mark.parametrize("micro", [False, True], ids=["one-batch", "micro-batches"])
+@pytest.mark.parametrize("method", LONGSPARK)
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_longspark_equals_the_single_process_runtime(runs, world: int, method: str, micro: bool) -> None:
+    """The LongSpark draft on the first stage reads target layers held by later stages (their K/V and hidden states
+    come round the chain: runtime/runtime/pipeline/longspark.py) and drafts the single-process tokens, greedy."""
+    records, references = runs[0][world], runs[1]
+    assert all("error" not in r and r["exitcode"] == 0 for r in records), [r.get("traceback") for r in records]
+    key = f"{method}/greedy/{MICRO[world] if micro else 1}"
+    expected = references[method, "greedy", False, MICRO[world]] if micro else references[method, "greedy", False]
+    for record in records:
+        assert record["result"][key] == expected
+
+
+@pytest.mark.parametrize("method", EXTRA + LONGSPARK_EXTRA)
 def test_other_split_methods_equal_the_single_process_runtime(runs, method: str) -> None:
     records, references = runs
     for record in records[2]:
@@ -176,7 +223,8 @@ def test_a_stage_chain_is_the_whole_model(pp_size: int, device: str, fused: bool
 
 
 def test_every_registry_method_runs_split_or_refuses_with_the_fix() -> None:
-    assert set(REQUIRED + EXTRA) == set(PIPELINE_METHODS) and set(PIPELINE_METHODS) <= set(METHODS)
+    assert set(REQUIRED + EXTRA + LONGSPARK + LONGSPARK_EXTRA) == set(PIPELINE_METHODS)
+    assert set(PIPELINE_METHODS) <= set(METHODS)
     for name in METHODS:
         if name not in PIPELINE_METHODS:
             with pytest.raises(ConfigError, match=f"method {name} does not run pipeline-parallel .*--pp-size 1"):

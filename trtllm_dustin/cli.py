@@ -702,6 +702,10 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
         raise ConfigError("a pipeline-parallel run (torchrun) reads its stages from an engine: build one with "
                           "`trtllm-dustin build --pp-size N --out DIR` and pass --engine DIR")
     pipeline_method(args.method)  # a method without a pipeline split is refused before the group starts
+    if METHODS[args.method].needs_longspark:
+        raise ConfigError(f"--method {args.method} under torchrun: an engine's shard gives rank 0 its own layers only, "
+                          "and the LongSpark drafter there runs blocks of the target layers it reads; run it with "
+                          "--pp-size 1, or from Python with PipelineSetup.longspark (runtime/pipeline/decoder.py)")
     if args.profile:
         raise ValueError("--profile times the phases of one process's round; a pipeline-parallel run has none, drop it")
     method = METHODS[args.method]

@@ -14,7 +14,7 @@ active: an empty update, which leaves the state exactly as it was (summary_merge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -37,13 +37,19 @@ class LongSparkDrafter:
     target_query_layers: tuple[int, ...] = ()
 
     def __init__(self, model: LongSpark, cache: KVCache, gamma: int, graphs: PhaseGraphs,
-                 use_kernel: bool = True) -> None:
+                 use_kernel: bool = True, kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """cache: the target's (its slots, lengths and, unless `kv` says otherwise, the K/V of the layers read).
+        kv: target layer -> its K, V [B, H_kv, S_max, D] where the cache does not hold them (a pipeline's first
+        stage: its own layers' and copies of the later stages')."""
         block = model.config.block
         if not 1 <= gamma <= block:
             raise ConfigError(f"--gamma {gamma}: this LongSpark drafter proposes 1 .. {block} tokens per round (its "
                               "block); lower --gamma")
         self.model, self.cache, self.gamma, self.graphs, self.use_kernel = model, cache, gamma, graphs, use_kernel
         self.layers = model.config.target_layers
+        kv = kv if kv is not None else {layer: cache.layer(layer) for layer in self.layers}
+        self.keys = {layer: kv[layer][0] for layer in self.layers}  # [B, H_kv, S_max, D] each
+        self.values = {layer: kv[layer][1] for layer in self.layers}
         self.target_hidden_layers = self.layers  # the boundary states: read from the target's passes
         target = model.target
         self.vocab_size = target.config.vocab_size
@@ -90,8 +96,8 @@ class LongSparkDrafter:
             end = min(begin + _PREFILL_ROWS, longest)
             valid = (torch.arange(begin, end, device=view.lengths.device)[None] < view.lengths[:, None].long())
             for j, layer in enumerate(self.layers):
-                k = self.cache.k[layer, start: start + n, :, begin:end]  # [n, H_kv, rows, D]
-                v = self.cache.v[layer, start: start + n, :, begin:end]
+                k = self.keys[layer][start: start + n, :, begin:end]  # [n, H_kv, rows, D]
+                v = self.values[layer][start: start + n, :, begin:end]
                 o_j, lse_j = summary_merge(o[:, j], lse[:, j], self.model.summary_scores(j, k), v.float(),
                                            valid[:, None, :].expand(-1, k.shape[1], -1))
                 o[:, j], lse[:, j] = o_j, lse_j
@@ -114,7 +120,7 @@ class LongSparkDrafter:
         slots, device, dtype = self.tokens.shape[0], self.tokens.device, self.boundary.dtype
         self._capture = {j: torch.zeros(slots, self.gamma, target.num_heads, target.head_dim, dtype=dtype,
                                         device=device) for j in layers}
-        return Lookahead(dict(self._capture), {j: self.cache.k[self.layers[j]] for j in layers})
+        return Lookahead(dict(self._capture), {j: self.keys[self.layers[j]] for j in layers})
 
     def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
         self.graphs.run("longspark-block", partial(self._block, state))
@@ -160,9 +166,9 @@ class LongSparkDrafter:
     # ---- phases ------------------------------------------------------------------------------------------
     def _block(self, state: RoundState) -> torch.Tensor:
         model, lengths = self.model, state.lengths
-        windows = [window_rows(self.cache.k[layer], self._rows, lengths, model.config.window)
+        windows = [window_rows(self.keys[layer], self._rows, lengths, model.config.window)
                    for layer in self.layers]
-        windows = [(k, window_rows(self.cache.v[layer], self._rows, lengths, model.config.window)[0], valid)
+        windows = [(k, window_rows(self.values[layer], self._rows, lengths, model.config.window)[0], valid)
                    for (k, valid), layer in zip(windows, self.layers, strict=True)]
         hidden = model.backbone(state.cur, lengths, self.boundary, windows, self.summary_o, self.summary_lse,
                                 self._capture)
@@ -184,8 +190,8 @@ class LongSparkDrafter:
         positions = (lengths.long()[:, None] + self._offsets).clamp(max=self.cache.max_seq_len - 1)  # [B, Γ + 1]
         rows = self._rows[:, None]
         for j, layer in enumerate(self.layers):
-            k = self.cache.k[layer][rows, :, positions].transpose(1, 2)  # [B, H_kv, Γ + 1, D]
-            v = self.cache.v[layer][rows, :, positions].transpose(1, 2)
+            k = self.keys[layer][rows, :, positions].transpose(1, 2)  # [B, H_kv, Γ + 1, D]
+            v = self.values[layer][rows, :, positions].transpose(1, 2)
             o, lse = summary_merge(self.summary_o[:, j], self.summary_lse[:, j], self.model.summary_scores(j, k),
                                    v.float(), valid[:, None, :].expand(-1, k.shape[1], -1))
             self.summary_o[:, j].copy_(o)

@@ -5,6 +5,7 @@
   selection.py   which methods split (PIPELINE_METHODS), Dustin's S_target per stage
   group.py       PipelineGroup: the process group, the start handshake, faults
   layers.py      layer_split: which target layers each stage holds (the engine builder writes its shards by it)
+  longspark.py   LongSparkRelay: the LongSpark drafter's layers on later stages, sent round to the first
 """
 
 from trtllm_dustin.runtime.pipeline.decoder import PipelineDecoder, PipelineSetup

@@ -16,6 +16,9 @@ decides acceptance. One round of one micro-batch, message by message (tags are t
     last         its layers, the logits, acceptance (greedy or rejection sampling, drawing from STATES)
     last -> all  VERDICT int64 [2, b]: accepted counts and next tokens; -> 0: STATES after acceptance, and with
                  in-pass selection CHOSEN int32 [b, k], the set the pass chose (after the prefill: SEED, round 1's)
+    s -> s+1, last -> 0   a LongSpark draft whose target layers live past rank 0: LS_KV, LS_HIDDEN, those layers'
+                 K/V rows and hidden states of the verified tokens (after the prefill: of the prompts), gathered
+                 stage by stage; rank 0 writes the rows into its copy of them (runtime/pipeline/longspark.py)
     every rank   observes the verdict (the drafter's and the selector's hooks on rank 0, the target history on the
                  SRH stages), commits its own KV / state / Progress (commit_round), and decides identically whether
                  the micro-batch goes on; an SRH stage then scores S_target of the next round -> 0: S_TARGET
@@ -47,6 +50,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads, model_fingerprint
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
+from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig
 from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.plugins.kernel_config import KernelConfig
@@ -57,6 +61,7 @@ from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult,
 from trtllm_dustin.runtime.methods import METHODS
 from trtllm_dustin.runtime.pipeline.group import PipelineGroup
 from trtllm_dustin.runtime.pipeline.layers import layer_split
+from trtllm_dustin.runtime.pipeline.longspark import LongSparkRelay
 from trtllm_dustin.runtime.pipeline.selection import TargetHistory, pipeline_method, sum_in_order
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
@@ -80,6 +85,8 @@ class _Tag(IntEnum):
     FIRST = 9
     SEED = 10  # in-pass selection: round 1's set, from the owner of the first selection layer to the first stage
     CHOSEN = 11  # in-pass selection: the set the pass chose, from the last stage to the first
+    LS_KV = 12  # a LongSpark draft: the K/V rows of the layers it reads past the first stage (pipeline/longspark.py)
+    LS_HIDDEN = 13  # and their hidden states
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class PipelineSetup:
     max_seq_len: int  # KV cache length per slot: prompt + new tokens + gamma
     draft_config: ModelConfig | None = None  # every rank (the pair's shared vocabulary); methods with a draft
     draft: Transformer | None = None  # the first stage only
+    longspark_config: LongSparkConfig | None = None  # every rank (the target layers it reads); LongSpark methods
+    longspark: LongSpark | None = None  # the first stage only, attached to a target model that holds those layers
     gamma: int = 3  # draft tokens per round (vanilla: 0)
     draft_budget: int = 512  # MagicDec's window; the baselines' k without a Dustin config
     dustin: DustinConfig | None = None
@@ -126,6 +135,14 @@ class PipelineSetup:
             raise ConfigError(f"method {self.method}: the first stage holds the draft; load it on rank 0")
         if spec.needs_dustin and self.dustin is None:
             raise ConfigError(f"{self.method} needs a Dustin configuration; pass --dustin-config FILE")
+        if spec.needs_longspark:
+            if self.longspark_config is None:
+                raise ConfigError(f"method {self.method} needs a LongSpark drafter; every rank needs its config "
+                                  "(PipelineSetup.longspark_config)")
+            self.longspark_config.check_target(stage.config)
+            if stage.first and (self.longspark is None or self.longspark.config != self.longspark_config):
+                raise ConfigError(f"method {self.method}: the first stage holds the LongSpark drafter of "
+                                  "longspark_config; load it on rank 0 (PipelineSetup.longspark)")
 
     @property
     def speculative_gamma(self) -> int:
@@ -140,6 +157,8 @@ class PipelineSetup:
                  "dustin config": hashlib.sha256(self.dustin.to_json().encode()).hexdigest()[:16]
                  if self.dustin is not None else "none",
                  "draft": model_fingerprint(self.draft_config) if self.draft_config is not None else "none",
+                 "longspark": hashlib.sha256(self.longspark_config.to_json().encode()).hexdigest()[:16]
+                 if self.longspark_config is not None else "none",
                  "target weights dtype": str(next(self.stage.parameters()).dtype)}
 
 
@@ -150,9 +169,12 @@ class _MicroBatch:
     slots: slice  # global batch slots [start, stop)
     cache: KVCache  # this stage's layers
     state: RoundState  # lengths are the cache's seqlens
-    capture: QueryCapture | None  # the verified tokens' queries of the SRH layers this stage owns (global keys)
+    # the verified tokens' queries of the SRH layers this stage owns and hidden states of the LongSpark layers it
+    # owns (global keys)
+    capture: QueryCapture | None
     history: TargetHistory | None  # S_target of those layers
     chooser: InPassSelector | None = None  # in-pass selection on a later stage that owns a selection layer (local)
+    relay: LongSparkRelay | None = None  # a LongSpark draft: the layers it reads, on this stage
     drafter: Drafter | None = None  # the first stage
     selector: Selector | None = None
     # the first stage: each SRH layer's S_target of the next round (received, or its own part's buffer) and their sum
@@ -273,14 +295,17 @@ class PipelineDecoder:
         b = slots.stop - slots.start
         cache = stage.allocate_cache(b, setup.max_seq_len, self.kv_dtype, self.device)
         state = RoundState.allocate(cache.seqlens)
-        history, capture = None, None
+        history, queries = None, {}
         if any(stage.owns(layer) for layer in self.srh_layers):
             history = TargetHistory(setup.dustin, stage, cache, pdl=setup.kernels.pdl)
             c = stage.config
             queries = {layer: torch.zeros(b, self.gamma + 1, c.num_heads, c.head_dim, dtype=self.dtype,
                                           device=self.device) for layer in history.layers}
-            capture = QueryCapture(history.layers, queries)
-        mb = _MicroBatch(slots, cache, state, capture, history)
+        relay = LongSparkRelay(setup.longspark_config.target_layers, self.owner, stage, cache, self.gamma, self.dtype) \
+            if self.spec.needs_longspark else None
+        hidden = relay.hidden_capture if relay is not None else {}
+        capture = QueryCapture(tuple(queries), queries, hidden) if queries or hidden else None
+        mb = _MicroBatch(slots, cache, state, capture, history, relay=relay)
         owned = [lh for lh in setup.dustin.selection_layers if stage.owns(lh.layer)] if self.selection_layers else []
         if owned and not stage.first:  # the first stage's own selector (the registry's) chooses there
             pool = setup.dustin.pool_layers if owned[0].layer == self.selection_layers[0] else ()
@@ -305,11 +330,13 @@ class PipelineDecoder:
         if stage.first:
             dustin = setup.dustin
             if dustin is not None and self.split.dustin_variant is not None:
-                dustin = self.split.first_stage_config(dustin)
+                dustin = self.split.first_stage_config(
+                    dustin, setup.longspark_config.target_layers if self.split.longspark else ())
             decoder = build_runtime(setup.method, stage, draft=setup.draft, dustin=dustin, target_cache=cache,
                                     draft_kv_dtype=setup.draft_kv_dtype, kernels=setup.kernels,
                                     backend=setup.backend, gamma=setup.gamma, draft_budget=setup.draft_budget,
-                                    use_cuda_graph=setup.use_cuda_graph)
+                                    use_cuda_graph=setup.use_cuda_graph, longspark=setup.longspark,
+                                    longspark_kv=relay.kv_views() if relay is not None else None)
             if decoder.gamma != self.gamma or decoder.selector.budget != self.budget:
                 raise RuntimeError(f"{setup.method}: the registry built gamma {decoder.gamma}, k "
                                    f"{decoder.selector.budget}; the pipeline expected {self.gamma}, {self.budget}")
@@ -407,11 +434,14 @@ class PipelineDecoder:
         model = _ChunkThroughStage(stage, self.group, len(prompts))
         owned = tuple(layer for layer in self.selection_layers[:1] if stage.owns(layer))  # the seeder's first layer
         layers = tuple(sorted({*(mb.history.layers if mb.history is not None else ()), *owned}))
-        job = PrefillJob(model, mb.cache, self.setup.backend, prompts, chunk, capture_layers=layers)
-        logits, queries = job.run()
         n = len(prompts)
+        hidden_out = mb.relay.prefill_hidden_out(n) if mb.relay is not None else {}
+        job = PrefillJob(model, mb.cache, self.setup.backend, prompts, chunk, capture_layers=layers,
+                         hidden_out=hidden_out)
+        logits, queries = job.run()
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
-        view = PrefillView(slice(0, n), prompts, lengths, dict(queries))
+        hidden = self._relay_prefill(mb, hidden_out, max(len(p) for p in prompts)) if mb.relay is not None else {}
+        view = PrefillView(slice(0, n), prompts, lengths, dict(queries), hidden)
         if mb.history is not None:
             mb.history.on_prefill(view)
         if mb.chooser is not None and self.seeder == stage.rank:  # round 1's set: chosen here, sent to the first
@@ -434,6 +464,27 @@ class PipelineDecoder:
         if stage.last and self.shared_vocab < logits.shape[-1]:
             logits[..., self.shared_vocab:] = float("-inf")
         return logits
+
+    def _relay_prefill(self, mb: _MicroBatch, hidden_out: dict[int, torch.Tensor], longest: int
+                       ) -> dict[int, torch.Tensor]:
+        """A LongSpark draft's prefill payload round the stages (pipeline/longspark.py); on the first stage the read
+        layers' last prompt hidden states [n, H] (nothing elsewhere)."""
+        relay, group, rank = mb.relay, self.group, self.stage.rank
+        if not relay.travels:
+            return dict(hidden_out)
+        kv, hidden = relay.prefill_payload(mb.prompts, longest)
+        if rank == 0:
+            group.recv(kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' prompt K/V")
+            group.recv(hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' prompt hidden states")
+            return relay.unpack_prefill(kv, hidden, hidden_out)
+        if rank >= 2:
+            group.recv(kv, rank - 1, _Tag.LS_KV, "the LongSpark layers' prompt K/V")
+            group.recv(hidden, rank - 1, _Tag.LS_HIDDEN, "the LongSpark layers' prompt hidden states")
+        relay.pack_prefill(kv, hidden, hidden_out)
+        to = 0 if self.stage.last else rank + 1
+        group.send(kv, to, _Tag.LS_KV)
+        group.send(hidden, to, _Tag.LS_HIDDEN)
+        return {}
 
     def _begin(self, mb: _MicroBatch, prompts: Sequence[Sequence[int]], logits: torch.Tensor,
                config: GenerationConfig, per_slot: bool) -> None:
@@ -475,16 +526,28 @@ class PipelineDecoder:
             mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
             if self.budget is not None:
                 mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
+            if mb.relay is not None and mb.relay.travels and stage.rank >= 2:  # the first stage sends no payload
+                group.recv(mb.relay.kv, src, _Tag.LS_KV, "the LongSpark layers' K/V rows")
+                group.recv(mb.relay.hidden, src, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
         in_pass = (mb.selector.in_pass if stage.first else mb.chooser) if self.selection_layers else None
         meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
         out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
+        relayed = mb.relay is not None and mb.relay.travels and not stage.first
+        if relayed:
+            mb.relay.pack_round(mb.state.lengths)
         if stage.last:
             self._accept(mb, out, sampled)
+            if relayed:  # after the verdict's messages: the first stage receives in this order
+                group.send(mb.relay.kv.clone(), 0, _Tag.LS_KV)
+                group.send(mb.relay.hidden.clone(), 0, _Tag.LS_HIDDEN)
             return
         group.send(out, stage.rank + 1, _Tag.HIDDEN)
         group.send(mb.tokens.clone(), stage.rank + 1, _Tag.TOKENS)
         if mb.indices is not None:
             group.send(mb.indices.clone(), stage.rank + 1, _Tag.INDICES)
+        if relayed:
+            group.send(mb.relay.kv.clone(), stage.rank + 1, _Tag.LS_KV)
+            group.send(mb.relay.hidden.clone(), stage.rank + 1, _Tag.LS_HIDDEN)
         if stage.first and sampled:  # after the forward's messages: the last stage receives in this order
             last = group.world - 1
             if self.gamma:
@@ -541,10 +604,15 @@ class PipelineDecoder:
                 states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
                                     "the sampling generator state")
                 _set_generator_states(mb.sampling, states)
+            if stage.first and mb.relay is not None and mb.relay.travels:  # before the drafter observes the round
+                group.recv(mb.relay.kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' K/V rows")
+                group.recv(mb.relay.hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
+                mb.relay.unpack_round(mb.state.lengths)
         accepted, next_tokens = mb.verdict[0], mb.verdict[1]
         progress, state = mb.progress, mb.state
         seen = Observation(accepted, next_tokens, progress.active, state.lengths, mb.indices,
-                           mb.capture.queries if mb.capture is not None else {})
+                           mb.capture.queries if mb.capture is not None else {},
+                           mb.relay.verify_hidden() if stage.first and mb.relay is not None else {})
         if stage.first:  # both read the verdict before the commit moves the state on, as in Decoder.round
             mb.drafter.observe(seen)
             mb.selector.observe(seen)

@@ -15,7 +15,9 @@ Each owning stage scores its SRH layers (one DustinSelector per layer, over the 
 renumbered to the stage's local index and m = 0 so that it never reads a lookahead) and sends each layer's score to
 the first stage, which sums them in the config's layer order, as `DustinSelector.estimate` accumulates them, so the
 sum is the single-process one bit for bit. The first stage's own DustinSelector (the registry's, built from the
-config without target layers) scores S_draft and runs `select` on S_draft and the summed S_target.
+config without target layers) scores S_draft and runs `select` on S_draft and the summed S_target. Over a LongSpark
+draft S_draft scores the LongSpark blocks' lookahead against the target's keys of the layers they read, which the
+first stage holds or keeps a copy of (runtime/pipeline/longspark.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
+from trtllm_dustin.runtime.methods import longspark_lookahead
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 from trtllm_dustin.runtime.selectors import DustinSelector
 from trtllm_dustin.runtime.state import Observation
@@ -43,9 +46,15 @@ class PipelineMethod:
     dustin_variant: str | None = None  # Dustin's S_target is scored on the owning stages ("h", "t", "d"); None: the
     # selector (full verification, or a set from the lengths alone) runs whole on the first stage
     in_pass: bool = False  # in-pass selection: the stage that owns a selection layer chooses and sends the set on
+    # A LongSpark draft (on the first stage): the stages that hold the target layers it reads send their K/V rows and
+    # hidden states to the first stage (runtime/pipeline/decoder.py), and its lookahead is the LongSpark blocks'
+    longspark: bool = False
 
-    def first_stage_config(self, dustin: DustinConfig) -> DustinConfig:
-        """The Dustin config the first stage's selector is built from: its S_target half scores nothing there."""
+    def first_stage_config(self, dustin: DustinConfig, longspark_layers: Sequence[int] = ()) -> DustinConfig:
+        """The Dustin config the first stage's selector is built from: its S_target half scores nothing there.
+        longspark_layers: the target layers a LongSpark draft reads (its S_draft scores their blocks)."""
+        if self.longspark:
+            return replace(longspark_lookahead(dustin, longspark_layers, self.dustin_variant), target_layers=())
         if not dustin.draft_layers:
             raise ConfigError("under --pp-size > 1 a Dustin config needs at least one draft SRH layer (the first "
                               "stage scores the draft's lookahead); search one with draft layers or run --pp-size 1")
@@ -58,23 +67,23 @@ class PipelineMethod:
 
 
 _DUSTIN = {"dustin-h": "h", "dustin-t": "t", "dustin-d": "d", "dustin-h-sparse-draft": "h"}
+_DUSTIN_LONGSPARK = {"dustin-h-longspark": "h", "dustin-t-longspark": "t"}
 PIPELINE_METHODS: dict[str, PipelineMethod] = {
     "vanilla": PipelineMethod(), "classic": PipelineMethod(), "magicdec": PipelineMethod(),
     "streamingllm": PipelineMethod(),  # its set follows the lengths alone: every stage has them, the first picks
     **{name: PipelineMethod(variant) for name, variant in _DUSTIN.items()},
     "dustin-ip": PipelineMethod(in_pass=True), "dustin-ip-sparse-draft": PipelineMethod(in_pass=True),
+    "longspark": PipelineMethod(longspark=True),
+    **{name: PipelineMethod(variant, longspark=True) for name, variant in _DUSTIN_LONGSPARK.items()},
+    "dustin-ip-longspark": PipelineMethod(in_pass=True, longspark=True),
 }
 _WHY_NOT = {
     "snapkv": "its prompt-time set reads the target's attention over the whole prompt on one process",
     "quest": "its page bounds read the target's keys of every layer on one process",
-    "longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
-    "dustin-h-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
-    "dustin-t-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
     "dustin-h-adaptive": "it is an evaluation-only method",
     "dustin-ip-pages": "its page key ranges live with the selection layer's keys, which the first stage may not hold",
     "dustin-ip-la": "it is an evaluation-only method",
     "dustin-ip-dense": "it is an evaluation-only method",
-    "dustin-ip-longspark": "the LongSpark drafter reads the target's cache and hidden states on one process",
 }
 
 

@@ -22,13 +22,14 @@ from trtllm_dustin.attention import get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.loading import _random_init
+from trtllm_dustin.models.longspark import LongSpark, random_longspark
 from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.pipeline import PipelineStage
 from trtllm_dustin.runtime.sampling import SamplingParams
 
 __all__ = ["BATCH", "CONFIGS", "DTYPE", "DUSTIN", "GAMMA", "PROMPTS", "S_MAX", "Launch", "free_port", "launch",
-           "models", "pipeline_decoder", "rank_env"]
+           "longspark", "models", "pipeline_decoder", "rank_env"]
 
 DTYPE = torch.float32
 GAMMA, S_MAX, BATCH = 3, 112, 4
@@ -50,6 +51,12 @@ def models() -> tuple[Transformer, Transformer]:
     _random_init(target, seed=7)
     _random_init(draft, seed=8)
     return target.to(DTYPE).eval(), draft.to(DTYPE).eval()
+
+
+def longspark(target: Transformer) -> LongSpark:
+    """A random LongSpark drafter on tiny-llama, reading its layers 1 and 2 (on ranks 0 and 1 of 2 stages, 1 and 2 of
+    3), with a window of 24 rows, shorter than the prompts: its summaries and windows both count."""
+    return random_longspark(target, seed=3, window=24)
 
 
 # ---- launching ranks -------------------------------------------------------------------------------------------
@@ -129,8 +136,12 @@ def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **ch
     from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, layer_split
 
     start, stop = layer_split(target.config.num_layers, group.world)[group.rank]
+    from trtllm_dustin.runtime.methods import METHODS
+
     stage = PipelineStage.from_model(target, start, stop, group.rank, group.world)
+    spark = longspark(target) if METHODS[method].needs_longspark else None
     setup = PipelineSetup(method, stage, group, get_backend("reference"), BATCH, S_MAX, draft_config=draft.config,
                           draft=draft if group.first else None, gamma=GAMMA, draft_budget=12, dustin=DUSTIN,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, longspark_config=spark.config if spark is not None else None,
+                          longspark=spark if group.first else None)
     return PipelineDecoder(replace(setup, **changes))

@@ -11,12 +11,12 @@ rotary embedding of q/k + the K/V cache write, and SiLU x up. Same arithmetic as
 last-ulp flip); about 10 kernels per layer instead of about 50, which is what a CUDA-graph replay of a small batch
 pays for. The fused path also runs its projections through plugins/skinny_linear.py, which takes the Triton skinny-M
 GEMM for the decode shapes of `kernels`' tactic table and F.linear otherwise, and launches its kernels with PDL when
-`kernels.pdl`. Inference only (`forward_train` keeps the module code).
+`kernels.pdl`. Inference only (`forward_train` runs the module code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
+from trtllm_dustin.attention import AttentionBackend, AttentionMetadata, WholeSequenceAttention, WholeSequenceKV
 from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.rope import apply_rope, rope_tables
@@ -140,16 +140,26 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer reading and writing a static KVCache."""
+    """Decoder-only transformer reading and writing a static KVCache, in three phases:
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        embed(tokens)          tokens [B, T] -> hidden [B, T, H] (the nn.Embedding itself)
+        run_layers(h, ...)     hidden through decoder layers, each writing its K/V and attending over the cache
+        head(h, ...)           final norm and output head -> fp32 logits over the whole vocabulary
+
+    `forward` is their composition. A module may hold only some parts (`layers`, `embed`, `head`): a pipeline stage
+    is a Transformer restricted to its layer range (runtime/pipeline/stage.py); a whole model holds all of them.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, layers: range | None = None,
+                 embed: bool = True, head: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size) if embed else None
+        self.layers = nn.ModuleList(Block(config) for _ in (range(config.num_layers) if layers is None else layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if head else None
         rows = config.head_vocab_size or config.vocab_size
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False) \
+            if head and not config.tie_word_embeddings else None
         # Vocabulary ids of the output rows when the model predicts a subset of the vocabulary (a draft's head).
         self.register_buffer("head_ids", torch.arange(config.head_vocab_size) if config.head_vocab_size else None)
         self.max_positions = max_positions or config.max_position_embeddings
@@ -162,7 +172,8 @@ class Transformer(nn.Module):
         """(Re)build the cos/sin tables on the model's device for positions < max_positions."""
         if max_positions is not None:
             self.max_positions = max_positions
-        self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, device=self.embed.weight.device)
+        device = next(self.parameters()).device
+        self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, device=device)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -170,48 +181,75 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
                 logit_index: torch.Tensor | None = None, capture: QueryCapture | None = None) -> torch.Tensor:
         """tokens [B, T] at positions L_b + t -> logits [B, T, V] (or [B, V] at logit_index [B] when given)."""
+        h, delta = self.run_layers(self.embed(tokens), cache, meta, backend, capture=capture)
+        return self.head(h, logit_index, delta)
+
+    def _fused_for(self, h: torch.Tensor) -> bool:
+        """Whether run_layers takes the fused elementwise kernels for hidden states like h (kernels' switch)."""
+        fused = self.kernels.fused_elementwise
+        # H200: 1.36x per round; float64 models (tests) keep the module code, which the kernels do not cover
+        return bool(fused) or (fused is None and h.is_cuda and h.dtype in FUSED_DTYPES)
+
+    def run_layers(self, h: torch.Tensor, cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                   layers: Sequence[int] | None = None, capture: QueryCapture | None = None,
+                   fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states h [B, T, H] of tokens at positions L_b + t through `layers` (indices into self.layers, in
+        order; None: all of them), layer i writing its K/V into the cache's layer i -> (h, delta): the last block's
+        output is h + delta. On the module path delta is None; the fused path leaves the last block's delta for the
+        next RMSNorm to add (`head`'s, or the caller's add at a stage boundary).
+
+        capture: the queries and hidden states of chosen layers (by the same index). fused: None as `kernels` says
+        says; False the module code (autograd: training); True the fused kernels."""
         if self.rope_cos is None:
             self.setup_rope()
-        B, T = tokens.shape
-        positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        T = h.shape[1]
+        positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=h.device)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
-        h = self.embed(tokens)  # [B, T, hidden]
-        fused = self.kernels.fused_elementwise
-        if fused or (fused is None and h.is_cuda and h.dtype in FUSED_DTYPES):
-            # H200: 1.36x per round; float64 models (tests) keep the module code, which the kernels do not cover
-            return self._forward_fused(h, cos, sin, positions, cache, meta, backend, logit_index, capture)
-        for i, block in enumerate(self.layers):
+        layers = range(len(self.layers)) if layers is None else layers
+        if self._fused_for(h) if fused is None else fused:
+            return self._run_layers_fused(h, layers, cos, sin, positions, cache, meta, backend, capture)
+        for i in layers:
+            block = self.layers[i]
             h = h + block.attention(block.attention_norm(h), cos, sin, positions, i, cache, meta, backend, capture)
             h = h + block.feed_forward(block.ffn_norm(h))
             _keep_hidden(capture, i, h)
-        if logit_index is not None:
-            h = h[torch.arange(B, device=h.device), logit_index][:, None]  # [B, 1, hidden]
-        return self._logits(F.linear(self.norm(h), self.output_weight()), logit_index)
+        return h, None
 
-    def _forward_fused(self, h, cos, sin, positions, cache, meta, backend, logit_index, capture) -> torch.Tensor:
-        """`forward`'s layers with each residual add folded into the next RMSNorm (kernels.fused_elementwise)."""
-        B, delta, kernels = h.shape[0], None, self.kernels
+    def _run_layers_fused(self, h, layers, cos, sin, positions, cache, meta, backend, capture
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run_layers` with each residual add folded into the next RMSNorm (kernels.fused_elementwise)."""
+        delta, kernels = None, self.kernels
         if self.linear_workspace is None or self.linear_workspace.counters.device != h.device:
             self.linear_workspace = SplitKWorkspace.for_outputs(self.config.hidden_size, h.device)
         norm = partial(add_rms_norm, pdl=kernels.pdl)
-        for i, block in enumerate(self.layers):
+        for i in layers:
+            block = self.layers[i]
             x, h = norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
             delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture, kernels)
             x, h = norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
             delta = block.feed_forward.forward_fused(x, self.linear_workspace, kernels)
             if capture is not None and i in capture.hidden:  # the block's output is h + delta (added by the next norm)
                 _keep_hidden(capture, i, h + delta)
-        if logit_index is not None:
-            rows = torch.arange(B, device=h.device), logit_index
-            x, _ = norm(h[rows][:, None], delta[rows][:, None], self.norm.weight, self.norm.eps)
-        else:
-            x, _ = norm(h, delta, self.norm.weight, self.norm.eps)
-        return self._logits(skinny_linear(x, self.output_weight(), kernels=kernels), logit_index)
+        return h, delta
 
-    def _logits(self, head_out: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
-        """The output head's rows [B, T or 1, R] -> fp32 logits over the whole vocabulary ([B, V] when logit_index
-        picked one row per sequence)."""
-        logits = self.full_vocab(head_out.float())
+    def head_rows(self, h: torch.Tensor, logit_index: torch.Tensor | None = None,
+                  delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the output head: hidden h [B, T, H] (plus run_layers' pending delta on the fused path)
+        -> the output rows [B, T, R] in the model's dtype ([B, 1, R] at logit_index [B]); any leading dims without
+        logit_index. R is the vocabulary, or the head_vocab_size ids of `head_ids` for a subset head."""
+        if logit_index is not None:
+            rows = torch.arange(h.shape[0], device=h.device), logit_index
+            h, delta = h[rows][:, None], (delta[rows][:, None] if delta is not None else None)  # [B, 1, H]
+        if delta is None:
+            return F.linear(self.norm(h), self.output_weight())
+        x, _ = add_rms_norm(h, delta, self.norm.weight, self.norm.eps, pdl=self.kernels.pdl)
+        return skinny_linear(x, self.output_weight(), kernels=self.kernels)
+
+    def head(self, h: torch.Tensor, logit_index: torch.Tensor | None = None,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`head_rows` -> fp32 logits over the whole vocabulary ([B, V] when logit_index picked one row per
+        sequence)."""
+        logits = self.full_vocab(self.head_rows(h, logit_index, delta).float())
         return logits[:, 0] if logit_index is not None else logits
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -221,25 +259,21 @@ class Transformer(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.head_ids, logits)
 
-    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Causal forward over whole sequences without a cache, with autograd: tokens [B, T] -> logits [B, T, R].
+    def forward_train(self, tokens: torch.Tensor, capture: QueryCapture | None = None) -> torch.Tensor:
+        """Causal forward over whole sequences (positions 0..T-1) without a static cache, with autograd: tokens
+        [B, T] -> the output rows [B, T, R] (no -inf padding for a subset head: see `head_rows`).
 
-        For training (draft distillation); the same modules as `forward`, positions 0..T-1. R is the output rows:
-        the vocabulary, or the head_vocab_size ids of `head_ids` for a subset head (no -inf padding here).
-        """
-        if self.rope_cos is None:
-            self.setup_rope()
-        B, T = tokens.shape
-        cos, sin = self.rope_cos[:T][None].expand(B, -1, -1), self.rope_sin[:T][None].expand(B, -1, -1)
-        h = self.embed(tokens)
-        for block in self.layers:
-            attn = block.attention
-            Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            q, k, v = attn.wqkv(block.attention_norm(h)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = apply_rope(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, H_q, T, D]
-            k = apply_rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
-            h = h + attn.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
-            h = h + block.feed_forward(block.ffn_norm(h))
-        return F.linear(self.norm(h), self.output_weight())
+        The inference phases on the module path, over a WholeSequenceKV (each layer's K/V as computed) and
+        WholeSequenceAttention (attention/whole_sequence.py): for training (draft distillation) and the features a
+        trainer reads (capture: queries and hidden states of chosen layers; `run_whole` also gives the K/V)."""
+        h, _ = self.run_whole(tokens, capture)
+        return self.head_rows(h)
+
+    def run_whole(self, tokens: torch.Tensor, capture: QueryCapture | None = None
+                  ) -> tuple[torch.Tensor, WholeSequenceKV]:
+        """`forward_train`'s layers: tokens [B, T] -> (the last block's output [B, T, H], before the final norm;
+        the layers' K/V, [B, H_kv, T, D] each)."""
+        kv = WholeSequenceKV(tokens.shape[0], tokens.device)
+        h, _ = self.run_layers(self.embed(tokens), kv, AttentionMetadata(cache_seqlens=kv.seqlens),
+                               WholeSequenceAttention(), capture=capture, fused=False)
+        return h, kv

@@ -253,8 +253,7 @@ class LongSpark(nn.Module):
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] -> the target head's fp32 logits [..., V] (one read of the head for all slots)."""
-        target = self.target
-        return target.full_vocab(F.linear(target.norm(hidden), target.output_weight()).float())
+        return self.target.head(hidden)
 
     def markov(self, slot: int, previous: torch.Tensor) -> torch.Tensor:
         """The Markov correction of slot `slot` from the previous token ids [N] -> fp32 [N, V]."""

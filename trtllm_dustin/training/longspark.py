@@ -28,9 +28,8 @@ from tqdm import tqdm
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models import load_model
-from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, window_rows
-from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.training.distill import _lr  # warm-up + cosine over steps or the time budget
 
 __all__ = ["LongSparkTrainConfig", "anchor_logits", "anchor_summaries", "step_loss", "target_features",
@@ -76,31 +75,20 @@ class LongSparkTrainConfig:
 @torch.no_grad()
 def target_features(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...], queries: bool = False
                     ) -> dict:
-    """The frozen target over whole windows tokens [B, T] (causal, positions 0..T-1): per selected layer its rotated
-    keys and values [B, H_kv, T, D] and its block outputs [B, T, H] (and with `queries` its rotated queries
-    [B, H_q, T, D]); and the final hidden states [B, T, H] (before the norm), from which the teacher's logits at any
-    position follow."""
-    if target.rope_cos is None:
-        target.setup_rope()
+    """The frozen target over whole windows tokens [B, T] (causal, positions 0..T-1; `Transformer.run_whole`, the
+    inference forward in its training mode): per selected layer its rotated keys and values [B, H_kv, T, D] and its
+    block outputs [B, T, H] (and with `queries` its rotated queries [B, H_q, T, D]); and the final hidden states
+    [B, T, H] (before the norm), from which the teacher's logits at any position follow."""
     B, T = tokens.shape
-    cos, sin = target.rope_cos[:T][None].expand(B, -1, -1), target.rope_sin[:T][None].expand(B, -1, -1)
-    h = target.embed(tokens)
-    keys, values, hidden, kept_queries = {}, {}, {}, {}
-    for i, block in enumerate(target.layers):
-        attn = block.attention
-        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q, k, v = attn.wqkv(block.attention_norm(h)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
-        h = h + attn.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
-        h = h + block.feed_forward(block.ffn_norm(h))
-        if i in layers:
-            keys[i], values[i], hidden[i] = k, v, h
-            if queries:
-                kept_queries[i] = q
-    return {"keys": keys, "values": values, "hidden": hidden, "final": h, "queries": kept_queries}
+    c, dtype = target.config, target.embed.weight.dtype
+    capture = QueryCapture(
+        layers if queries else (),
+        {i: torch.empty(B, T, c.num_heads, c.head_dim, dtype=dtype, device=tokens.device) for i in layers}
+        if queries else {},
+        {i: torch.empty(B, T, c.hidden_size, dtype=dtype, device=tokens.device) for i in layers})
+    final, kv = target.run_whole(tokens, capture)
+    return {"keys": {i: kv.k[i] for i in layers}, "values": {i: kv.v[i] for i in layers}, "hidden": capture.hidden,
+            "final": final, "queries": {i: q.transpose(1, 2) for i, q in capture.queries.items()}}
 
 
 def anchor_summaries(scores: torch.Tensor, values: torch.Tensor, anchors: torch.Tensor
@@ -131,7 +119,7 @@ def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, a
     slot_positions = anchors[:, None] + torch.arange(G, device=tokens.device)  # [A, G]: L .. L + G - 1
     with torch.no_grad():
         final = feats["final"][:, slot_positions]  # [B, A, G, H]
-        teacher = target.full_vocab(F.linear(target.norm(final), target.output_weight()).float())
+        teacher = target.head(final)
     boundary = torch.stack([feats["hidden"][layer][:, anchors - 1] for layer in cfg.target_layers], dim=2)
     seq = torch.arange(B, device=tokens.device).repeat_interleave(A)  # block n = (window n // A, anchor n % A)
     lengths = anchors[None].expand(B, -1).reshape(B * A)
