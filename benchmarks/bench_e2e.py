@@ -106,9 +106,8 @@ def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers:
     # layers (and the pooled layers below the first) sit at the depths the search chose for the real pair (the
     # packaged SmolLM2 config, `search-layers`), each scoring on 4 heads of 4 KV groups, as the searched config does
     # on its layers' 4 SRH heads.
-    selection, pool = _packaged_depths()
-    at = sorted({min(num_layers - 1, round(d * num_layers)) for d in selection})
-    below = sorted({round(d * num_layers) for d in pool} - set(at))
+    at = sorted({min(num_layers - 1, round(d * num_layers)) for d in _SELECTION_DEPTHS})
+    below = sorted({round(d * num_layers) for d in _POOL_DEPTHS} - set(at))
     return DustinConfig(target_layers=(LayerHeads(target_layer, target_heads),),
                         draft_layers=tuple(LayerHeads(layer, draft_heads) for layer in draft_layers), budget=512,
                         m=128, selection_layers=tuple(LayerHeads(layer, target_heads) for layer in at),
@@ -120,12 +119,11 @@ def _packaged_depths() -> tuple[tuple[float, ...], tuple[float, ...]]:
     from trtllm_dustin.models.packaged import default_dustin_config_path
 
     config = DustinConfig.load(default_dustin_config_path())
-    n = SMOLLM2_LAYERS
-    return (tuple(lh.layer / n for lh in config.selection_layers) or (0.7,),
-            tuple(lh.layer / n for lh in config.pool_layers))
+    n = 30  # the layer count of SmolLM2-135M, the model the packaged config was searched on
+    return tuple(lh.layer / n for lh in config.selection_layers), tuple(lh.layer / n for lh in config.pool_layers)
 
 
-SMOLLM2_LAYERS = 30  # the layer count of the model the packaged config was searched on
+_SELECTION_DEPTHS, _POOL_DEPTHS = _packaged_depths()
 
 
 PAIRS = {

@@ -196,6 +196,11 @@ class _MicroBatch:
     def size(self) -> int:
         return self.slots.stop - self.slots.start
 
+    @property
+    def relaying(self) -> bool:
+        """Whether a LongSpark payload goes round the stages (the drafter reads layers past the first stage)."""
+        return self.relay is not None and self.relay.travels
+
 
 class _Schedule:
     """Which micro-batch each stage works on, tick by tick, the same on every rank (module docstring)."""
@@ -526,13 +531,13 @@ class PipelineDecoder:
             mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
             if self.budget is not None:
                 mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
-            if mb.relay is not None and mb.relay.travels and stage.rank >= 2:  # the first stage sends no payload
+            if mb.relaying and stage.rank >= 2:  # the first stage sends no payload
                 group.recv(mb.relay.kv, src, _Tag.LS_KV, "the LongSpark layers' K/V rows")
                 group.recv(mb.relay.hidden, src, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
         in_pass = (mb.selector.in_pass if stage.first else mb.chooser) if self.selection_layers else None
         meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
         out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
-        relayed = mb.relay is not None and mb.relay.travels and not stage.first
+        relayed = mb.relaying and not stage.first
         if relayed:
             mb.relay.pack_round(mb.state.lengths)
         if stage.last:
@@ -604,7 +609,7 @@ class PipelineDecoder:
                 states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
                                     "the sampling generator state")
                 _set_generator_states(mb.sampling, states)
-            if stage.first and mb.relay is not None and mb.relay.travels:  # before the drafter observes the round
+            if stage.first and mb.relaying:  # before the drafter observes the round
                 group.recv(mb.relay.kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' K/V rows")
                 group.recv(mb.relay.hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
                 mb.relay.unpack_round(mb.state.lengths)
@@ -612,7 +617,7 @@ class PipelineDecoder:
         progress, state = mb.progress, mb.state
         seen = Observation(accepted, next_tokens, progress.active, state.lengths, mb.indices,
                            mb.capture.queries if mb.capture is not None else {},
-                           mb.relay.verify_hidden() if stage.first and mb.relay is not None else {})
+                           mb.relay.verify_hidden if mb.relay is not None else {})
         if stage.first:  # both read the verdict before the commit moves the state on, as in Decoder.round
             mb.drafter.observe(seen)
             mb.selector.observe(seen)

@@ -39,6 +39,7 @@ class LongSparkRelay:
         self.stage, self.cache, self.dtype = stage, cache, dtype
         self.layers = tuple(layers)
         self.remote = tuple(layer for layer in self.layers if owner[layer] != 0)  # the payload's layers, in order
+        self.slot = {layer: j for j, layer in enumerate(self.remote)}  # remote layer -> its index in the payload
         self.owned = tuple(layer for layer in self.layers if stage.owns(layer))
         c, b, device = stage.config, cache.batch_slots, cache.seqlens.device
         self.rows = torch.arange(b, device=device)[:, None]  # [B, 1]
@@ -52,6 +53,10 @@ class LongSparkRelay:
         self.hidden = torch.zeros(len(self.remote), b, gamma + 1, c.hidden_size, dtype=dtype, device=device)
         self.mirror = KVCache.allocate(c.with_(num_layers=len(self.remote)), b, cache.max_seq_len, cache.k.dtype,
                                        device) if stage.first and self.remote else None
+        # the first stage's Observation: target layer -> the verified tokens' hidden states [B, Γ + 1, H], the
+        # buffers the capture and the payload write every round (built once)
+        self.verify_hidden = {layer: self.hidden_capture[layer] if stage.owns(layer) else self.hidden[self.slot[layer]]
+                              for layer in self.layers} if stage.first else {}
 
     @property
     def travels(self) -> bool:
@@ -62,12 +67,7 @@ class LongSparkRelay:
     def kv_views(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Target layer -> its K, V [B, H_kv, S_max, D]: the first stage's cache or the mirror (the drafter's)."""
         return {layer: self.cache.layer(layer) if self.stage.owns(layer)
-                else self.mirror.layer(self.remote.index(layer)) for layer in self.layers}
-
-    def verify_hidden(self) -> dict[int, torch.Tensor]:
-        """Target layer -> the verified tokens' hidden states [B, Γ + 1, H] (the first stage's Observation)."""
-        return {layer: self.hidden_capture[layer] if self.stage.owns(layer) else self.hidden[self.remote.index(layer)]
-                for layer in self.layers}
+                else self.mirror.layer(self.slot[layer]) for layer in self.layers}
 
     # ---- a round -------------------------------------------------------------------------------------------
     def _verified(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ class LongSparkRelay:
         """A later stage, after its verification: its read layers' new K/V rows and hidden states into the payload."""
         positions = self._verified(lengths)
         for layer in self.owned:
-            j, (k, v) = self.remote.index(layer), self.cache.layer(layer - self.stage.start)
+            j, (k, v) = self.slot[layer], self.cache.layer(layer - self.stage.start)
             self.kv[j, 0], self.kv[j, 1] = k[self.rows, :, positions], v[self.rows, :, positions]  # [B, Γ+1, H_kv, D]
             self.hidden[j] = self.hidden_capture[layer]
 
@@ -105,7 +105,7 @@ class LongSparkRelay:
         """A later stage, after the prompts' prefill: its read layers' rows and last hidden states into the payload."""
         n, longest = kv.shape[2], kv.shape[4]
         for layer in self.owned:
-            j, local = self.remote.index(layer), layer - self.stage.start
+            j, local = self.slot[layer], layer - self.stage.start
             kv[j, 0], kv[j, 1] = self.cache.k[local, :n, :, :longest], self.cache.v[local, :n, :, :longest]
             hidden[j] = hidden_out[layer]
 
@@ -116,5 +116,5 @@ class LongSparkRelay:
         for j in range(len(self.remote)):
             self.mirror.k[j, :n, :, :longest] = kv[j, 0]
             self.mirror.v[j, :n, :, :longest] = kv[j, 1]
-        return {layer: hidden_out[layer] if self.stage.owns(layer) else hidden[self.remote.index(layer)]
+        return {layer: hidden_out[layer] if self.stage.owns(layer) else hidden[self.slot[layer]]
                 for layer in self.layers}

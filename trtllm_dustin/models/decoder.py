@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         output is h + delta. On the module path delta is None; the fused path leaves the last block's delta for the
         next RMSNorm to add (`head`'s, or the caller's add at a stage boundary).
 
-        capture: the queries and hidden states of chosen layers (by the same index). fused: None as `kernels` says
+        capture: the queries and hidden states of chosen layers (by the same index). fused: None as `kernels`
         says; False the module code (autograd: training); True the fused kernels."""
         if self.rope_cos is None:
             self.setup_rope()
