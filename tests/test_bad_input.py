@@ -75,6 +75,8 @@ BEFORE_ANYTHING = [
     (["serve", "--repo", "{tmp}/repo", "--http-port", "70000"], E + "--http-port 70000 must be in 0..65535 (0: any "
      "free port); lower it"),
     (["serve", "--repo", "{tmp}/repo", "--start-timeout", "0"], E + "--start-timeout 0.0 must be > 0; raise it"),
+    (["serve", "--repo", "{tmp}/repo", "--drain", "-1"], E + "--drain -1.0 must be in [0, 3600] (seconds the running "
+     "requests get to finish at stop); raise it"),
     (["build", "--out", "{tmp}/engine", "--max-seq-len", "0"], E + "--max-seq-len 0 must be >= 1; raise it"),
     (["build", "--out", "{tmp}/engine", "--budget", "512"], E + "--budget 512 sets the k of a Dustin config, and "
      "none is given; pass --dustin-config FILE, or drop --budget"),

@@ -87,8 +87,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, smollm2):
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")
     process = subprocess.Popen([sys.executable, "-m", "trtllm_dustin.cli", "serve", "--repo", str(repo),
                                 "--http-port", "0", "--grpc-port", "0", "--server-dir", str(root / "server"),
-                                "--log", str(log)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env)
+                                "--log", str(log), "--drain", "2"],  # 2 s: the last test's stream is cut, not done
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -484,7 +484,7 @@ def test_sigterm_while_streaming_stops_cleanly(served: Served) -> None:
     assert "shutting down" in pieces[-1].get("error", ""), pieces[-1]  # its stream ends with why
     assert len(stub_pids) == 2 and processes_in_group(server_pid) == []  # the two models' stubs, then nothing
     log = served.log.read_text()
-    assert "dustin: the server is stopping: 1 running request(s) get 10 s to finish" in log
+    assert "dustin: the server is stopping: 1 running request(s) get 2 s to finish" in log
     assert "successfully unloaded 'dustin_load'" in log and "successfully unloaded 'dustin'" in log  # no forced exit
 
 

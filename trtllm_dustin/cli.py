@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where nvidia-pytriton's server is prepared (once) with this Python's backend stub")
     serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log beside the repo")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
+    serve.add_argument("--drain", type=float, default=10.0,
+                       help="at Ctrl-C / SIGTERM: seconds the running requests get to finish before they are cut "
+                            "(with an error that says so); waiting ones are refused at once")
     serve.set_defaults(func=_serve)
 
     for name, add_arguments, command, text in (
@@ -793,7 +796,7 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from trtllm_dustin.serving.launch import ServerError, TritonServer, prepare_pytriton_server
+    from trtllm_dustin.serving.launch import DRAIN_MARGIN_S, ServerError, TritonServer, prepare_pytriton_server
 
     models = sorted(p.parent.parent.name for p in args.repo.glob("*/1/serving_config.json"))
     if not models:
@@ -804,7 +807,9 @@ def _serve(args: argparse.Namespace) -> int:
         prepare_pytriton_server(args.server_dir)
     log = args.log or args.repo.resolve().parent / "serve.log"
     server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
-                          http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True)
+                          http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True,
+                          exit_timeout_s=args.drain + DRAIN_MARGIN_S,
+                          stop_timeout_s=max(60.0, args.drain + DRAIN_MARGIN_S + 30))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -139,6 +139,7 @@ RANGES: dict[str, Range] = {
     "budget": _POSITIVE,
     # serve
     "http_port": _PORT, "grpc_port": _PORT, "start_timeout": _SECONDS,
+    "drain": Range(0, 3600, real=True, why="seconds the running requests get to finish at stop"),
     # prepare-distill-data, train-draft, train-longspark
     "seq_len": _POSITIVE, "max_windows": _POSITIVE, "steps": _POSITIVE, "lr": Range(0, real=True, open_low=True),
     "head_vocab": _COUNT, "max_seconds": _SECONDS, "window": _POSITIVE, "summary": _POSITIVE, "block": _POSITIVE,
