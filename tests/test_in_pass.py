@@ -237,6 +237,50 @@ def test_a_pooled_layer_adds_its_scores_to_the_choice(env) -> None:
         assert sorted(final[b].tolist()) == sorted([0, 1, 2, 3, *top, *range(n - 8, n)])
 
 
+def test_pooled_page_bounds_sum_the_layers_pages(env) -> None:
+    """dustin-ip-pages with pool_layers (0): selection layer 2 takes whole pages by the sum of both layers' page bounds
+    over the key ranges of the whole cache (page_key_range, checked against loops above; the selector keeps its own
+    ranges up to date round by round): every chosen free position scores at least every candidate left out."""
+    config = replace(dustin_config(budget=44, m=0, n_recent=8), selection_layers=(LayerHeads(2, (1, 3)),),
+                     pool_layers=(LayerHeads(0, (0, 5)),))
+    decoder, _ = run("dustin-ip-pages", env, dustin=config, max_new=10)
+    selector = decoder.selector
+    calls = []
+    original = selector.choose
+
+    def spy(layer, q, k_cache, lengths):
+        original(layer, q, k_cache, lengths)
+        calls.append((layer, selector.indices.clone(), q.clone()))
+
+    selector.choose = spy
+    with torch.inference_mode():
+        L = decoder.state.lengths
+        decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
+    assert [layer for layer, *_ in calls] == [0, 2]
+    (_, _, q0), (_, final, q2) = calls
+    checked = 0
+    for b in range(len(PROMPTS)):
+        n = int(L[b])
+        if n <= 44:
+            continue
+        pages = torch.zeros(-(-S_MAX // PAGE))
+        for layer, q, heads in ((0, q0, (0, 5)), (2, q2, (1, 3))):
+            low, high = page_key_range(decoder.cache.k[layer][b: b + 1].cpu(), L[b: b + 1].cpu())
+            pages += page_bounds(q[b: b + 1].cpu(), low, high, L[b: b + 1].cpu(), head_weights(heads, 6, "cpu"))[0]
+        score = pages.repeat_interleave(PAGE)[:S_MAX]
+        chosen = set(final[b].tolist())
+        free = [j for j in chosen if 4 <= j < n - 8]
+        left = [j for j in range(4, n - 8) if j not in chosen]
+        assert len(free) == 44 - 12 and len(chosen) == 44 and chosen >= {0, 1, 2, 3, *range(n - 8, n)}
+        assert min(float(score[j]) for j in free) >= max(float(score[j]) for j in left) - 1e-5
+        only_layer_2 = page_bounds(q2[b: b + 1].cpu(), *page_key_range(decoder.cache.k[2][b: b + 1].cpu(),
+                                                                        L[b: b + 1].cpu()),
+                                   L[b: b + 1].cpu(), head_weights((1, 3), 6, "cpu"))[0]
+        assert not torch.allclose(pages, only_layer_2)  # the pooled layer changes the scores
+        checked += 1
+    assert checked
+
+
 def test_pool_layers_are_checked() -> None:
     from trtllm_dustin.config import ConfigError
 

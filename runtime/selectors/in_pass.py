@@ -14,7 +14,7 @@ set is chosen inside the verification forward, from the queries that are being v
              their heads as the pass goes through them; the first selection layer adds its scores to theirs and
              chooses from the sum (the oracle's set sums every layer's attention; pooling approaches it at one
              scoring pass per pooled layer)
-  pages      (Quest style) the same with S_l from page bounds: per 16-key page the upper bound
+  pages      (Quest style) the same (pooling included) with S_l from page bounds: per 16-key page the upper bound
              sum_d max(q_d min_d, q_d max_d) of q.k (Quest), as q+ . max + q- . min, a softmax over the pages per head,
              summed over heads and queries; a page's score is each of its positions' score, so the top-k takes whole
              pages. The selection reads the pages' min/max keys (an eighth of K) instead of every key.
@@ -118,9 +118,6 @@ class InPassSelector(Selector):
         self.layers: dict[int, LayerHeads] = {lh.layer: lh for lh in config.selection_layers}
         self.first = config.selection_layers[0].layer
         self.pool: dict[int, LayerHeads] = {lh.layer: lh for lh in config.pool_layers}
-        if self.pool and pages:
-            raise ConfigError("in-pass selection by page bounds does not pool layers; remove pool_layers from the "
-                              "Dustin config or use exact scores")
         self.dense_layers = frozenset(range(config.dense_layers if dense_layers is None else dense_layers))
         self.selection_layers = frozenset(self.layers) | frozenset(self.pool)  # the pass calls `choose` there
         self.in_pass = self  # the verification pass calls `choose` at the selection layers
@@ -134,16 +131,19 @@ class InPassSelector(Selector):
         self._sinks = torch.arange(config.n_sink, device=device)[None, :]
         self._recent = torch.arange(config.n_recent, device=device)[None, :] - config.n_recent
         pages_per_seq = -(-s_max // PAGE)
-        # pages: each selection layer's per-page key range, fp32 [B, H_kv, P, D] (min, max)
+        scored = {**self.pool, **self.layers}  # every layer that scores its queries
+        # pages: each scoring layer's per-page key range, fp32 [B, H_kv, P, D] (min, max)
         self.key_range = {layer: (torch.zeros(slots, target.num_kv_heads, pages_per_seq, target.head_dim,
                                               device=device),
                                   torch.zeros(slots, target.num_kv_heads, pages_per_seq, target.head_dim,
-                                              device=device)) for layer in self.layers} if pages else {}
+                                              device=device)) for layer in scored} if pages else {}
+        # pages with pooling: the pooled layers' page scores, summed as the pass goes, fp32 [B, P]
+        self.page_scores = torch.zeros(slots, pages_per_seq, device=device) if pages and self.pool else None
         # pages: the last two pages of each slot are refreshed every round (the committed tokens since, <= Γ + 1)
         self._page_offsets = torch.arange(2 * PAGE, device=device)[None, :]
         self._page_pair = torch.arange(2, device=device)[None, :]
         self._head_weights = {layer: head_weights(lh.heads, target.num_heads, device)
-                              for layer, lh in self.layers.items()} if pages else {}
+                              for layer, lh in scored.items()} if pages else {}
         self._fixed_m = torch.full((slots,), self.m, dtype=torch.long, device=device)
 
     # ---- the set's parts ------------------------------------------------------------------------------------------
@@ -174,13 +174,19 @@ class InPassSelector(Selector):
         """S_l over [0, L_b) of the slots `rows` from their queries q [n, T, H_q, D] at L_b + t: exact Eq. 5 (at the
         first selection layer added to the pooled layers' scores), or the page bounds."""
         out = self.scores[rows]
+        pooled = layer == self.first and bool(self.pool)
         if not self.pages:
-            pooled = layer == self.first and bool(self.pool)
             return srh_score(q, k_cache, lengths, self.layers[layer].heads, out=out, accumulate=pooled, pdl=self.pdl)
-        k_min, k_max = self.key_range[layer]
-        page_scores = page_bounds(q, k_min[rows], k_max[rows], lengths, self._head_weights[layer])  # [n, P]
+        page_scores = self._page_scores(layer, q, lengths, rows)
+        if pooled:
+            page_scores = page_scores + self.page_scores[rows]
         expanded = page_scores.repeat_interleave(PAGE, dim=1)[:, : out.shape[1]]
         return out.copy_(expanded.masked_fill(self._positions >= lengths.long()[:, None], 0.0))
+
+    def _page_scores(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, rows: slice) -> torch.Tensor:
+        """page_bounds of the layer's queries over its key ranges, fp32 [n, P]."""
+        k_min, k_max = self.key_range[layer]
+        return page_bounds(q, k_min[rows], k_max[rows], lengths, self._head_weights[layer])
 
     # ---- the Selector seam ------------------------------------------------------------------------------------------
     def on_prefill(self, view: PrefillView) -> None:
@@ -250,8 +256,16 @@ class InPassSelector(Selector):
     def _choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, rows: slice) -> None:
         """choose for the slots `rows` (q, k_cache and lengths hold those slots only); a pooled layer only scores."""
         if layer in self.pool:
-            srh_score(q, k_cache, lengths, self.pool[layer].heads, out=self.scores[rows],
-                      accumulate=layer != min(self.pool), pdl=self.pdl)
+            first = layer == min(self.pool)
+            if self.pages:
+                page_scores = self._page_scores(layer, q, lengths, rows)
+                if first:
+                    self.page_scores[rows] = page_scores
+                else:
+                    self.page_scores[rows] += page_scores
+            else:
+                srh_score(q, k_cache, lengths, self.pool[layer].heads, out=self.scores[rows], accumulate=not first,
+                          pdl=self.pdl)
             return
         scores = self._score(layer, q, k_cache, lengths, rows)
         self.indices[rows] = self._assemble(lengths, scores, self.drafted[rows] if self.m else None)
