@@ -8,8 +8,7 @@
 #               the quality harness (4K and 8K, 60 samples per task) for every in-pass
 #               variant beside Dustin-H, Quest and SnapKV; the generalisation run (needle-new); the tau of each
 #               method on the test windows (eval_tau.py)
-#   quality C   the same runs with the config file C instead of a new search (a carried search output); when C pools
-#               layers, dustin-ip-pages (which does not pool) is left out
+#   quality C   the same runs with the config file C instead of a new search (a carried search output)
 #   needle-new  the generalisation run of the shipped default (after the stash calls)
 set -euo pipefail
 S=~/stash
@@ -65,21 +64,18 @@ quality)
     cp "$R/dustin_searched.json" "$R/dustin_config.json"
   fi
   cp "$R/dustin_config.json" trtllm_dustin/weights/smollm2_draft/dustin.json  # what the runs below read
-  pages=dustin-ip-pages  # page bounds do not pool layers (runtime/selectors/in_pass.py)
-  python3 -c "import json,sys; sys.exit(1 if json.load(open('$R/dustin_config.json')).get('pool_layers') else 0)" \
-    || pages=
   cd benchmarks
   config=../trtllm_dustin/weights/smollm2_draft/dustin.json
   common=(--target "$GGUF" --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep
           --dustin-config $config --contexts 4096 8192 --budgets 512 1024 2048)
   timeout 370 python3 eval_quality.py "${common[@]}" --tasks books code needle vt qa \
-    --methods classic dustin-h dustin-ip $pages dustin-ip-la dustin-ip-sparse-draft quest snapkv \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-la dustin-ip-sparse-draft quest snapkv \
     --jobs 10 --out "$R/quality_fidelity2_h200.json" 2>&1 | tee "$R/quality_fidelity2_h200.log" | grep -E "finished|units in" || true
-  timeout 130 python3 eval_quality.py "${common[@]}" --tasks needle-new \
-    --methods classic dustin-h dustin-ip $pages quest snapkv \
+  timeout 150 python3 eval_quality.py "${common[@]}" --tasks needle-new \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-sparse-draft quest snapkv \
     --jobs 2 --out "$R/quality_needle_new_h200.json" 2>&1 | tee "$R/quality_needle_new_h200.log" | grep -E "finished|units in" || true
-  timeout 100 python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --dustin-config $config \
-    --methods classic dustin-h dustin-ip $pages dustin-ip-sparse-draft --budgets 512 1024 2048 \
+  timeout 70 python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --dustin-config $config \
+    --methods classic dustin-h dustin-ip dustin-ip-pages dustin-ip-sparse-draft --budgets 512 1024 2048 \
     --contexts 4096 8192 --docs 24 --batch-size 28 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 \
     || echo "eval_tau failed or timed out: see its log"
   tail -8 "$R/tau_fidelity2_h200.log"
