@@ -133,10 +133,10 @@ class Decoder:
         """draft -> estimate -> select -> verify -> accept -> commit, for every slot, without a host sync.
         acceptor: None picks greedy acceptance when every slot is greedy and rejection sampling otherwise."""
         phase = timer or self._untimed
+        rows = self._busy_rows(progress)  # the CPU: the slots from the first to the last busy one
         with phase("draft"):
-            proposal = self.drafter.propose(self.state, sampling)  # tokens [B, Γ]
+            proposal = self.drafter.propose(self.state, sampling, rows)  # tokens [B, Γ]
         indices = self._select(phase)  # sparse verification: what the target reads this round (None: all)
-        rows = self._busy_rows(progress)
         with phase("verify"):
             logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices, rows))  # [B, Γ+1, V]
         with phase("accept"):
@@ -168,10 +168,10 @@ class Decoder:
             return self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
 
     def _busy_rows(self, progress: Progress) -> slice | None:
-        """The slots the CPU verifies: from the first to the last one still generating. Idle slots' outputs are
-        discarded, and on the CPU each row costs: a projection of 8 rows takes 4-5 times one row's time (a GEMV reads
-        the weights once; a small GEMM computes). None on the GPU, whose captured phases keep every slot (and where
-        reading `active` would be a host sync)."""
+        """The slots the CPU drafts and verifies: from the first to the last one still generating. Idle slots'
+        outputs are discarded, and on the CPU each row costs: a projection of 8 rows takes 4-5 times one row's time (a
+        GEMV reads the weights once; a small GEMM computes). None on the GPU, whose captured phases keep every slot
+        (and where reading `active` would be a host sync)."""
         if self.device.type != "cpu":
             return None
         busy = progress.active.nonzero()  # a CPU tensor: a host read, no device sync

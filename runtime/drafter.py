@@ -71,8 +71,10 @@ class Drafter(Protocol):
         """Keep the drafted positions' queries of `layers` (and the draft's confidence) from now on; call before the
         first round. Raises ConfigError when the drafter has no such layers."""
 
-    def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
-        """Γ tokens for every slot (idle ones included: fixed shapes), from the committed state."""
+    def propose(self, state: RoundState, sampling: SlotSampling, rows: slice | None = None) -> Proposal:
+        """Γ tokens for every slot (idle ones included: fixed shapes), from the committed state. rows (the CPU, see
+        Decoder._busy_rows): a drafter may run its model over those slots only; the others' tokens are then
+        unspecified (they are idle: never committed)."""
 
     def observe(self, seen: Observation) -> None:
         """The round's verdict, before the commit (what a drafter keeps from a round)."""

@@ -4,21 +4,24 @@ The serving engine runs the one round over every batch slot of caches sized for 
 generate() decodes one sequence in a cache of exactly its length. On the CPU an idle slot cost a projection row
 each (a small GEMM there takes several times a GEMV's time) and every slot's attention read the whole cache: the
 default repository (8 slots x 4096) served the default model at a fifth of generate()'s rate. The round now
-verifies the busy slots only, up to their longest sequence (runtime/decoder.py).
+verifies the busy slots only, up to their longest sequence (runtime/decoder.py). A draft model's steps ran over every
+slot too: the default method (dustin-ip-sparse-draft) was served at 0.6 of generate()'s rate until the drafter took
+the same busy rows (runtime/drafters/model_drafter.py).
 """
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from trtllm_dustin.attention import get_backend
-from trtllm_dustin.kv_cache import KVCache
-from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.models import load_model
+from trtllm_dustin.models.packaged import DEFAULT_DRAFT, default_dustin_config_path
+from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.inflight import InflightBatcher
-from trtllm_dustin.runtime.methods import MethodSetup
 from trtllm_dustin.serving import ServingConfig
 from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
 from trtllm_dustin.serving.text import TokenizerCodec
@@ -30,17 +33,22 @@ REPEATS = 3  # alternating pairs after a warm-up of each; the best of each side 
 # ever slows a run down, so the fastest of a few is each path's own rate)
 
 
-def test_a_lone_served_request_decodes_at_generates_rate(smollm2, plugin_references) -> None:
+@pytest.mark.parametrize("method", ["vanilla", "dustin-ip-sparse-draft"])  # the default's draft model and set
+def test_a_lone_served_request_decodes_at_generates_rate(smollm2, plugin_references, method: str) -> None:
     model, codec = smollm2.model, TokenizerCodec(smollm2.tokenizer)
     prompt = codec.encode(PROMPT)
+    draft = None if method == "vanilla" else load_model(DEFAULT_DRAFT, share_with=model).model
+    dustin = DustinConfig.from_json(default_dustin_config_path().read_text())
 
     def decoder(slots: int, max_seq_len: int):
-        cache = KVCache.allocate(model.config, slots, max_seq_len, torch.float32, "cpu")
-        return build_decoder("vanilla", MethodSetup(target=model, target_cache=cache, backend=get_backend("reference")))
+        return build_runtime(method, model, draft=draft, dustin=dustin, batch_slots=slots, max_seq_len=max_seq_len,
+                             dtype=torch.float32, backend="reference")
 
-    alone = decoder(1, len(prompt) + TOKENS)  # as `trtllm-dustin generate` sizes its cache
-    engine = ServingEngine(ServingConfig(max_batch=SLOTS, max_seq_len=MAX_SEQ_LEN),
-                           {"vanilla": InflightBatcher(decoder(SLOTS, MAX_SEQ_LEN))}, codec)
+    alone = decoder(1, len(prompt) + TOKENS + 4)  # as `trtllm-dustin generate` sizes its cache (+ Γ + 1)
+    served = ServingConfig(methods=(method,), draft=None if draft is None else DEFAULT_DRAFT, dustin=dustin,
+                           max_batch=SLOTS, max_seq_len=MAX_SEQ_LEN)
+    engine = ServingEngine(served,
+                           {method: InflightBatcher(decoder(SLOTS, MAX_SEQ_LEN))}, codec)
     texts: dict[str, list[str]] = {"generate": [], "served": []}
 
     def generated() -> float:
@@ -50,7 +58,8 @@ def test_a_lone_served_request_decodes_at_generates_rate(smollm2, plugin_referen
 
     def served() -> float:
         done, chunks = threading.Event(), []
-        engine.submit(GenerationRequest(PROMPT, TOKENS), lambda c: (chunks.append(c), c.final and done.set()))
+        engine.submit(GenerationRequest(PROMPT, TOKENS, method=method),
+                      lambda c: (chunks.append(c), c.final and done.set()))
         assert done.wait(300), "the served request did not finish"
         assert chunks[-1].error is None and chunks[-1].stats.generated_tokens == TOKENS
         texts["served"].append(chunks[-1].text)

@@ -122,7 +122,8 @@ class LongSparkDrafter:
                                         device=device) for j in layers}
         return Lookahead(dict(self._capture), {j: self.keys[self.layers[j]] for j in layers})
 
-    def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
+    def propose(self, state: RoundState, sampling: SlotSampling, rows: slice | None = None) -> Proposal:
+        """Every slot (its block costs one small forward; rows are not used)."""
         self.graphs.run("longspark-block", partial(self._block, state))
         if sampling.all_greedy:
             self.graphs.run("longspark-greedy", partial(self._greedy, state))

@@ -10,6 +10,7 @@ Each step is a fixed-shape phase (a CUDA graph on the GPU); a greedy step picks 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Protocol
 
@@ -91,10 +92,12 @@ class ModelDrafter:
             self.confidence = torch.ones(slots, self.gamma, dtype=torch.float32, device=device)
         return Lookahead(queries, {layer: self.cache.k[layer] for layer in layers}, self.confidence)
 
-    def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
+    def propose(self, state: RoundState, sampling: SlotSampling, rows: slice | None = None) -> Proposal:
+        """The Γ steps; with `rows` (the CPU) the draft model runs over those slots only, reading each cache up to
+        its longest sequence (an idle slot's logits are zero, its tokens unspecified)."""
         greedy = sampling.all_greedy
         for step in range(self.gamma):
-            logits = self._step(state, step, greedy)  # [B, V_draft]
+            logits = self._step(state, step, greedy, rows)  # [B, V_draft]
             if greedy:  # the step picked its token inside its graph
                 continue
             probs = sampling.probs(logits)
@@ -113,26 +116,46 @@ class ModelDrafter:
         return Proposal(self.tokens, None if greedy else self.probs)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def _step(self, state: RoundState, step: int, greedy: bool) -> torch.Tensor:
+    def _step(self, state: RoundState, step: int, greedy: bool, rows: slice | None = None) -> torch.Tensor:
         """Step `step` as a fixed-shape phase (its CUDA graph on the GPU); a greedy one also writes its token."""
         if greedy:
-            return self.graphs.run(f"draft{step}-greedy", partial(self._greedy_step, state, step))
-        return self.graphs.run(f"draft{step}", partial(self._forward, state, step))
+            return self.graphs.run(f"draft{step}-greedy", partial(self._greedy_step, state, step, rows))
+        return self.graphs.run(f"draft{step}", partial(self._forward, state, step, rows))
 
-    def _forward(self, state: RoundState, step: int) -> torch.Tensor:
+    def _forward(self, state: RoundState, step: int, rows: slice | None = None) -> torch.Tensor:
         L = state.lengths
         if step == 0:
             tokens, lens = torch.stack([state.prev, state.cur], dim=1), L - 1  # [B, 2] at L-1, L
         else:
             tokens, lens = self.tokens[:, step - 1: step], L + step  # [B, 1] at L+step
-        logits = self.model(tokens, self.cache, self.view.metadata(lens), self.backend, logit_index=self._last[step],
-                            capture=self._captures[step])  # [B, V_draft]
+        meta, capture = self.view.metadata(lens), self._captures[step]
+        if rows is not None:
+            return self._forward_rows(tokens, meta, step, capture, rows)
+        logits = self.model(tokens, self.cache, meta, self.backend, logit_index=self._last[step],
+                            capture=capture)  # [B, V_draft]
         if self.confidence is not None:  # dustin-h-adaptive's signal: the draft's certainty at each step
             self.confidence[:, step] = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
         return logits
 
-    def _greedy_step(self, state: RoundState, step: int) -> torch.Tensor:
+    def _forward_rows(self, tokens: torch.Tensor, meta: AttentionMetadata, step: int, capture: QueryCapture | None,
+                      rows: slice) -> torch.Tensor:
+        """_forward over the slots `rows` only, each cache read up to their longest sequence; the others' logits 0."""
+        lens = meta.cache_seqlens[rows]
+        meta = replace(meta, cache_seqlens=lens, indices=None if meta.indices is None else meta.indices[rows],
+                       max_kv_len=int(lens.max()) + tokens.shape[1])
+        if capture is not None:  # views: the writes land in the lookahead's buffers
+            capture = QueryCapture(capture.layers, {layer: q[rows] for layer, q in capture.queries.items()},
+                                   {layer: h[rows] for layer, h in capture.hidden.items()})
+        part = self.model(tokens[rows], slot_range(self.cache, rows), meta, self.backend,
+                          logit_index=self._last[step][rows], capture=capture)  # [n, V_draft]
+        logits = part.new_zeros((tokens.shape[0], part.shape[-1]))
+        logits[rows] = part
+        if self.confidence is not None:
+            self.confidence[rows, step] = torch.softmax(part.float(), dim=-1).amax(dim=-1)
+        return logits
+
+    def _greedy_step(self, state: RoundState, step: int, rows: slice | None = None) -> torch.Tensor:
         """A greedy step that also writes its token, so the pick is inside the step's CUDA graph."""
-        logits = self._forward(state, step)
+        logits = self._forward(state, step, rows)
         self.tokens[:, step] = argmax_last(logits, use_kernel=self.use_kernel)
         return logits

@@ -34,7 +34,7 @@ class NoDraft:
         raise ConfigError("vanilla decoding has no draft, so there is no lookahead to score; choose a method with a "
                           "draft model")
 
-    def propose(self, state: RoundState, sampling: SlotSampling) -> Proposal:
+    def propose(self, state: RoundState, sampling: SlotSampling, rows: slice | None = None) -> Proposal:
         return Proposal(self.tokens, None if sampling.all_greedy else self.probs)
 
     def observe(self, seen: Observation) -> None:
