@@ -97,6 +97,8 @@ BEFORE_ANYTHING = [
 
 # (argv, stderr): refused once the configs are opened, before any weight is read
 BEFORE_WEIGHTS = [
+    (["generate", "--method", "snapkv", "--budget", "16"], E + "snapkv: budget k 16 (--budget) must exceed SnapKV's "
+     "observation window of 32 prompt tokens, which the set always keeps; raise it to > 32"),
     (["generate", "--method", "dustin-h", "--budget", "99999999"], E + "--budget 99999999 exceeds the KV cache's "
      "1603 positions; a sparse verification reads at most that many: lower it to <= 1603 (a k that covers the whole "
      "context verifies in full)"),  # the default pair on its default prompt (1536 + 64 + gamma 3)

@@ -923,6 +923,12 @@ def _baseline_budgets(args: argparse.Namespace, methods: list[str], dustin: Dust
         args.draft_budget = budget
     k, source = (dustin.budget, "the Dustin config's") if dustin is not None else \
         (args.draft_budget, "--budget" if budget is not None else "--draft-budget, without a Dustin config")
+    if "snapkv" in baselines:
+        from trtllm_dustin.runtime.selectors.snapkv import WINDOW
+
+        if k <= WINDOW:
+            raise InputError(f"snapkv: budget k {k} ({source}) must exceed SnapKV's observation window of {WINDOW} "
+                             f"prompt tokens, which the set always keeps; raise it to > {WINDOW}")
     print(f"{', '.join(baselines)}: budget k {k} ({source})", flush=True)
 
 

@@ -25,7 +25,7 @@ from trtllm_dustin.runtime.prefill import slot_range
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation
 
-__all__ = ["SnapKVSelector", "snapkv_indices", "snapkv_priority", "snapkv_scores"]
+__all__ = ["WINDOW", "SnapKVSelector", "snapkv_indices", "snapkv_priority", "snapkv_scores"]
 
 
 def snapkv_scores(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], window_start: torch.Tensor,
@@ -93,13 +93,16 @@ def snapkv_indices(priority: torch.Tensor, prompt_lens: torch.Tensor, seqlens: t
     return torch.where(seqlens[:, None] > budget, chosen, keep_all_indices(seqlens, budget))
 
 
+WINDOW = 32  # the observation window: the last prompt tokens whose attention ranks the rest (SnapKV's default)
+
+
 class SnapKVSelector(Selector):
     """SnapKV's set per slot: ranked when the slot's prompt is admitted, then fixed (see the module doc)."""
 
     target_query_layers: tuple[int, ...] = ()
 
     def __init__(self, budget: int, n_sink: int, target: Transformer, cache: KVCache, backend: AttentionBackend,
-                 window: int = 32, kernel: int = 7) -> None:
+                 window: int = WINDOW, kernel: int = 7) -> None:
         if not 0 <= n_sink < budget:
             raise ConfigError(f"snapkv: n_sink={n_sink} must lie in [0, budget k={budget})")
         if not 1 <= window < budget:
