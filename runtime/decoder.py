@@ -261,7 +261,7 @@ class Decoder:
         t1 = time.perf_counter()
 
         clock = _RoundClock(device)
-        finished = _FinishCheck(device, config.sync_every)
+        finished = _FinishCheck(device, config.sync_every, config.run_ahead)
         decoding = torch.zeros((), dtype=torch.long, device=device)  # rounds that began with a sequence active
         rounds = 0
         if bool(progress.active.any()):
@@ -289,24 +289,29 @@ class _FinishCheck:
     right after the last decoding round. On the GPU the host runs ahead of the device: each round's flag is copied
     asynchronously into pinned host memory behind an event, and the loop stops at the first round whose copy has
     landed saying "all finished" (polled with `Event.query()`, which never waits); every `sync_every` rounds the host
-    waits for the newest flag (the loop's one host sync), which bounds the idle rounds a slow copy can leave."""
+    waits for the newest flag, and with `run_ahead` > 0 it waits for the flag of the round `run_ahead` back before
+    it queues another (an event the device passed with `run_ahead` rounds still queued: it does not idle the device),
+    so at most `run_ahead` idle rounds follow the last decoding one."""
 
-    def __init__(self, device: torch.device, sync_every: int) -> None:
-        self.cuda, self.sync_every = device.type == "cuda", sync_every
+    def __init__(self, device: torch.device, sync_every: int, run_ahead: int = 0) -> None:
+        self.cuda, self.sync_every, self.run_ahead = device.type == "cuda", sync_every, run_ahead
         if self.cuda:
-            self.flags = torch.ones(sync_every, dtype=torch.bool, pin_memory=True)  # [r % sync_every]: any active
-            self.events = [torch.cuda.Event() for _ in range(sync_every)]
+            self.ring = max(sync_every, run_ahead + 1)  # flags in flight at once never exceed either bound
+            self.flags = torch.ones(self.ring, dtype=torch.bool, pin_memory=True)  # [r % ring]: any active
+            self.events = [torch.cuda.Event() for _ in range(self.ring)]
             self.pending: list[int] = []  # ring slots whose copy was queued and not read yet, oldest first
 
     def __call__(self, active: torch.Tensor, rounds: int) -> bool:
         if not self.cuda:
             return not bool(active.any())  # a CPU tensor: a host read, not a device sync
-        slot = rounds % self.sync_every
+        slot = rounds % self.ring
         self.flags[slot].copy_(active.any(), non_blocking=True)
         self.events[slot].record()
         self.pending.append(slot)
         if rounds % self.sync_every == 0:
-            self.events[slot].synchronize()  # every sync_every rounds: the loop's one blocking read
+            self.events[slot].synchronize()  # every sync_every rounds: a blocking read of the newest flag
+        elif self.run_ahead and len(self.pending) > self.run_ahead:
+            self.events[self.pending[0]].synchronize()  # the flag of the round run_ahead back
         while self.pending and self.events[self.pending[0]].query():
             if not bool(self.flags[self.pending.pop(0)]):  # landed in host memory: reading it does not sync
                 return True

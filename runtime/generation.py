@@ -22,6 +22,11 @@ class GenerationConfig:
     # GPU: rounds between the host's blocking reads of "all sequences finished" (between them the flag is read as its
     # asynchronous copy lands, runtime/decoder.py _FinishCheck); the CPU reads it after every round, at no cost
     sync_every: int = 16
+    # GPU: how many rounds the host may queue past the newest round whose flag it has read. Before it queues more it
+    # waits for that round's flag, on an event the device passed while it still holds `run_ahead` rounds of queued
+    # work (so the device does not idle unless the host needs longer than those rounds to queue one); the idle rounds
+    # after the last sequence finishes are then at most `run_ahead`. 0: no bound (only sync_every's reads)
+    run_ahead: int = 2
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -30,6 +35,8 @@ class GenerationConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
         if self.sync_every < 1:
             raise ValueError(f"sync_every={self.sync_every} must be >= 1")
+        if self.run_ahead < 0:
+            raise ValueError(f"run_ahead={self.run_ahead} must be >= 0 (0: no bound)")
 
 
 @dataclass
