@@ -26,7 +26,7 @@ class GenerationConfig:
     # waits for that round's flag, on an event the device passed while it still holds `run_ahead` rounds of queued
     # work (so the device does not idle unless the host needs longer than those rounds to queue one); the idle rounds
     # after the last sequence finishes are then at most `run_ahead`. 0: no bound (only sync_every's reads)
-    run_ahead: int = 2
+    run_ahead: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
