@@ -69,10 +69,8 @@ class Decoder:
                                                  device=self.device) for layer in self.target_hidden_layers}
         self._capture = QueryCapture(layers, dict(self.verify_queries), dict(self.verify_hidden)) \
             if layers or self.target_hidden_layers else None
-        # A selector that re-runs the target over the round's tokens (the evaluation oracle) reads the round state;
-        # one with `per_layer` returns a set per decoder layer ([L, B, k]), which the model hands layer by layer.
+        # A selector that re-runs the target over the round's tokens (the evaluation oracle) reads the round state.
         selector.bind(self.state)
-        self._per_layer_sets = selector.per_layer
         self._greedy = GreedyAcceptor(kernels.round_kernels)
         self._rejection = RejectionAcceptor(kernels.round_kernels)
         self._untimed = PhaseTimer(False, self.device)
@@ -184,18 +182,15 @@ class Decoder:
         logits zero (they are idle: their verdicts are never committed)."""
         self.verify_tokens[:, 0] = self.state.cur
         self.verify_tokens[:, 1:] = draft_tokens
-        layered = indices is not None and self._per_layer_sets
         in_pass = None if indices is None else self.selector.in_pass
         if rows is None:
-            meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=None if layered else indices,
-                                     layer_indices=indices if layered else None, in_pass=in_pass)
+            meta = AttentionMetadata(cache_seqlens=self.state.lengths, indices=indices, in_pass=in_pass)
             logits = self.target(self.verify_tokens, self.cache, meta, self.backend, capture=self._capture)
             return self.shared_logits(logits)  # [B, Γ+1, V]
         lengths = self.state.lengths[rows]
         if indices is not None:
-            indices = indices[:, rows] if layered else indices[rows]
-        meta = AttentionMetadata(cache_seqlens=lengths, indices=None if layered else indices,
-                                 layer_indices=indices if layered else None,
+            indices = indices[rows]
+        meta = AttentionMetadata(cache_seqlens=lengths, indices=indices,
                                  max_kv_len=int(lengths.max()) + self.gamma + 1,
                                  in_pass=None if in_pass is None else in_pass.rows(rows))
         capture = None if self._capture is None else QueryCapture(

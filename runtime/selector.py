@@ -5,13 +5,13 @@ A selector with `budget` None verifies against the full cache (Classic SD, Magic
 cache positions, sorted ascending except for in-pass sets, which keep a fixed slot layout; -1 padding; all of
 [0, L_b) while L_b <= k), one set per slot for every layer and head; an in-pass selector's verification pass rewrites
 it at the selection layers.
-Evaluation selectors may also return [B, H_kv, k] (a set per KV head) or, with `per_layer` True, [L, B, k] (a set
-per decoder layer). Both run inside CUDA graphs, so they read only preallocated buffers and return them (no host
-sync). Hooks: `bind` (the decoder's RoundState, once, when the decoder is built), `on_prefill` (prompt-time state of
-newly admitted slots) and `observe` (each round's verdict, before the commit).
+Evaluation selectors may also return [B, H_kv, k] (a set per KV head); the per-layer oracle hands each layer its own
+set through the in-pass seam (experimental/oracle.py). They run inside CUDA graphs, so they read only preallocated
+buffers and return them (no host sync). Hooks: `bind` (the decoder's RoundState, once, when the decoder is built),
+`on_prefill` (prompt-time state of newly admitted slots) and `observe` (each round's verdict, before the commit).
 
-Implementations subclass Selector explicitly, which gives them the defaults of the optional members: `per_layer`
-False (one set for every layer) and a `bind` that keeps nothing.
+Implementations subclass Selector explicitly, which gives them the default of the optional member: a `bind` that
+keeps nothing.
 
 Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
 the input-aware share of dustin-h-adaptive), in_pass.py (the set chosen inside the verification pass from its own
@@ -38,9 +38,6 @@ class Selector(Protocol):
     # Selection inside the verification pass (selectors/in_pass.py): the pass rewrites the set at its selection
     # layers; None for selectors whose set is final before the pass.
     in_pass: InPassSelection | None
-    # `select` returns a set per decoder layer, [L, B, k], which the model hands layer by layer (evaluation: the
-    # per-layer oracle); False: one set for every layer.
-    per_layer: bool = False
 
     def bind(self, state: RoundState) -> None:
         """The decoder's round state, handed once when the decoder is built (a selector that re-runs the target over

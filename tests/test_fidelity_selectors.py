@@ -30,7 +30,7 @@ from trtllm_dustin.plugins import sparse_verify_attention
 from trtllm_dustin.plugins.reference import sparse_verify_attention_ref, srh_score_ref
 from trtllm_dustin.plugins.selection import select_verify_indices
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
-from trtllm_dustin.runtime.experimental import PeriodicFullVerification, attention_mass, top_k_set
+from trtllm_dustin.runtime.experimental import LayerSets, PeriodicFullVerification, attention_mass, top_k_set
 from trtllm_dustin.runtime.selectors import DustinSelector
 from trtllm_dustin.runtime.state import Observation
 
@@ -145,17 +145,20 @@ def test_a_set_per_layer_reads_only_that_layers_rows(env: Env) -> None:
                         for _ in range(config.num_layers)])  # [L, B, k]
     tokens = torch.randint(0, config.vocab_size, (4, GAMMA + 1), device=env.device)
     backend = get_backend(env.backend)
-    layered = AttentionMetadata(cache_seqlens=lengths, layer_indices=sets)
-    clean = target(tokens, KVCache(cache.k.clone(), cache.v.clone(), cache.seqlens), layered, backend)
+    def layered(sets: torch.Tensor) -> AttentionMetadata:  # each layer's set reaches it through the in-pass seam
+        shared = sets[0].clone()
+        return AttentionMetadata(cache_seqlens=lengths, indices=shared, in_pass=LayerSets(sets, shared))
+
+    clean = target(tokens, KVCache(cache.k.clone(), cache.v.clone(), cache.seqlens), layered(sets), backend)
     dirty = KVCache(cache.k.clone(), cache.v.clone(), cache.seqlens)
     for layer in range(config.num_layers):
         dirty.k[layer].copy_(poisoned(cache.k[layer], sets[layer][:, None].expand(-1, config.num_kv_heads, -1),
                                       lengths, 0))
         dirty.v[layer].copy_(poisoned(cache.v[layer], sets[layer][:, None].expand(-1, config.num_kv_heads, -1),
                                       lengths, 0))
-    got = target(tokens, dirty, layered, backend)  # the forward writes the new rows itself
+    got = target(tokens, dirty, layered(sets), backend)  # the forward writes the new rows itself
     assert torch.isfinite(got).all() and torch.allclose(got, clean, atol=1e-5)
-    same = AttentionMetadata(cache_seqlens=lengths, layer_indices=sets[:1].expand_as(sets))
+    same = layered(sets[:1].expand_as(sets))
     shared = AttentionMetadata(cache_seqlens=lengths, indices=sets[0])
     fresh = KVCache(cache.k.clone(), cache.v.clone(), cache.seqlens)
     assert torch.equal(target(tokens, fresh, same, backend), target(tokens, fresh, shared, backend))
@@ -196,7 +199,8 @@ def test_the_oracle_takes_the_top_k_of_the_true_attention(env: Env) -> None:
 
 
 def test_the_per_layer_oracle_takes_each_layers_top_k(env: Env) -> None:
-    _, lengths, sets, masses = oracle_and_truth(env, "oracle-layer")
+    decoder, lengths, _, masses = oracle_and_truth(env, "oracle-layer")
+    sets = decoder.selector.layer_sets().cpu()  # [L, B, k]; `select` returned layer 0's, the one the pass reads first
     assert sets.shape[0] == env.target.config.num_layers
     for layer in range(sets.shape[0]):
         for b, L in enumerate(lengths.tolist()):

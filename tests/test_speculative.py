@@ -15,6 +15,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.build import build_decoder
+from trtllm_dustin.runtime.experimental import OracleSelector
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
@@ -180,10 +181,10 @@ def test_selection_with_lengths_on_both_sides_of_the_budget(env: Env, vanilla_to
     indices = decoder.selector.select(lengths, scores)
     if indices is None:  # dustin-h-periodic's coming round verifies in full: the set of the rounds between
         indices = decoder.selector.inner.select(lengths, scores)
-    if indices.dim() == 2:  # one set per slot; evaluation selectors may return one per KV head or per layer
+    if isinstance(decoder.selector, OracleSelector) and decoder.selector.per_layer:  # a set per layer
+        indices = decoder.selector.layer_sets()[:, :, None]  # [L, B, 1, k]
+    elif indices.dim() == 2:  # one set per slot; evaluation selectors may return one per KV head
         indices = indices[None, :, None]  # [1, B, 1, k]
-    elif decoder.selector.per_layer:
-        indices = indices[:, :, None]  # [L, B, 1, k]
     else:
         indices = indices[None]  # [1, B, H_kv, k]
     for sets in indices:

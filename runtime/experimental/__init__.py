@@ -9,8 +9,8 @@ Importing this package adds its methods to the registry (runtime/methods.py METH
 """
 
 from trtllm_dustin.runtime.experimental.methods import EXPERIMENTAL_METHODS
-from trtllm_dustin.runtime.experimental.oracle import ORACLE_KINDS, OracleSelector, attention_mass, top_k_set
+from trtllm_dustin.runtime.experimental.oracle import ORACLE_KINDS, LayerSets, OracleSelector, attention_mass, top_k_set
 from trtllm_dustin.runtime.experimental.periodic import PeriodicFullVerification
 
-__all__ = ["EXPERIMENTAL_METHODS", "ORACLE_KINDS", "OracleSelector", "PeriodicFullVerification", "attention_mass",
-           "top_k_set"]
+__all__ = ["EXPERIMENTAL_METHODS", "ORACLE_KINDS", "LayerSets", "OracleSelector", "PeriodicFullVerification",
+           "attention_mass", "top_k_set"]

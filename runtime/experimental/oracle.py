@@ -11,7 +11,9 @@ set is the top k of [0, L_b) by that attention:
 
 The target's probabilities are normalised over the causal range [0, L_b + t] of query t, as the verification pass
 sees them; the sets are sorted ascending and padded with -1, and hold all of [0, L_b) while L_b <= k. The full
-pass writes the round's K/V at L_b .. L_b + Γ; the sparse verification that follows writes them again.
+pass writes the round's K/V at L_b .. L_b + Γ; the sparse verification that follows writes them again. The per-layer
+sets reach the verification pass through the in-pass seam: every layer is a "selection layer" whose `choose` copies
+that layer's set into the one the pass reads (LayerSets), so the model and the backends know one set per forward.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, RoundState
 
-__all__ = ["ORACLE_KINDS", "OracleSelector", "attention_mass", "top_k_set"]
+__all__ = ["ORACLE_KINDS", "LayerSets", "OracleSelector", "attention_mass", "top_k_set"]
 
 ORACLE_KINDS = ("all", "layer", "kv-head")
 
@@ -72,8 +74,12 @@ class OracleSelector(Selector):
         if kind not in ORACLE_KINDS:
             raise ValueError(f"oracle kind {kind!r}: choose one of {', '.join(ORACLE_KINDS)}")
         self.kind, self.budget, self.target, self.cache, self.backend = kind, budget, target, cache, backend
-        self.in_pass = None  # the set comes from its own full pass before the verification
-        self.per_layer = kind == "layer"  # the decoder gives each layer its own row of the set
+        self.per_layer = kind == "layer"
+        slots, layers = draft_tokens.shape[0], target.config.num_layers
+        self._layer_sets = torch.full((layers, slots, budget), -1, dtype=torch.int32, device=draft_tokens.device)
+        self._set = torch.full((slots, budget), -1, dtype=torch.int32, device=draft_tokens.device)
+        # per layer: each layer's set is copied into the one the pass reads as the pass reaches it
+        self.in_pass = LayerSets(self._layer_sets, self._set) if self.per_layer else None
         self.draft_tokens = draft_tokens  # the drafter's proposal buffer [B, Γ]
         self.target_query_layers: tuple[int, ...] = ()
         self.state: RoundState | None = None
@@ -112,10 +118,36 @@ class OracleSelector(Selector):
         return torch.stack(masses) if self.per_layer else torch.stack(masses).sum(0)
 
     def select(self, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return top_k_set(scores, lengths, self.budget, batch_axis=1 if self.per_layer else 0)
+        if not self.per_layer:
+            return top_k_set(scores, lengths, self.budget)
+        self._layer_sets.copy_(top_k_set(scores, lengths, self.budget, batch_axis=1))  # [L, B, k]
+        self._set.copy_(self._layer_sets[0])
+        return self._set
+
+    def layer_sets(self) -> torch.Tensor:
+        """The per-layer oracle's sets of the last `select`, int32 [L, B, k]."""
+        return self._layer_sets
 
     def observe(self, seen: Observation) -> None:
         """Nothing kept: every round's set comes from its own full pass."""
 
     def draft_share(self) -> None:
         return None
+
+
+class LayerSets:
+    """The per-layer oracle's sets as an in-pass selection: at every layer the pass reads that layer's set (copied
+    into the shared one before the layer attends), over all slots or over a run of them (the CPU's busy rows)."""
+
+    dense_layers: frozenset[int] = frozenset()
+
+    def __init__(self, layer_sets: torch.Tensor, shared: torch.Tensor, rows: slice = slice(None)) -> None:
+        self.layer_sets, self.shared, self.slots = layer_sets, shared, rows
+        self.selection_layers = frozenset(range(layer_sets.shape[0]))
+
+    def choose(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+        self.shared[self.slots] = self.layer_sets[layer][self.slots]
+
+    def rows(self, rows: slice) -> LayerSets:
+        start = range(self.shared.shape[0])[self.slots][rows]
+        return LayerSets(self.layer_sets, self.shared, slice(start.start, start.stop))

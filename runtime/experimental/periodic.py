@@ -24,7 +24,6 @@ class PeriodicFullVerification(Selector):
         self.inner, self.every = inner, every
         self.budget = inner.budget
         self.in_pass = inner.in_pass
-        self.per_layer = inner.per_layer
         self.target_query_layers = inner.target_query_layers
         self.rounds = 0  # rounds observed since the decoder was built
 

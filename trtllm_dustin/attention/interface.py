@@ -40,10 +40,7 @@ class AttentionMetadata:
 
     cache_seqlens: torch.Tensor  # int32 [B]: committed length L_b; the T new tokens sit at L_b .. L_b+T-1
     indices: torch.Tensor | None = None  # int32 [B, K]: sparse verification set I in [0, L_b), -1 = padding; or
-    # [B, H_kv, K]: a set per KV head (evaluation: per-KV-head sets, runtime/selectors/oracle.py, dustin.py)
-    # int32 [L, B, K] or [L, B, H_kv, K]: a set per decoder layer, which the model gives each layer as its `indices`
-    # (evaluation only: the per-layer oracle); None: `indices` for every layer
-    layer_indices: torch.Tensor | None = None
+    # [B, H_kv, K]: a set per KV head (evaluation: per-KV-head sets, runtime/experimental/oracle.py, dustin.py)
     max_kv_len: int | None = None  # host-known bound on L_b + T (eager prefill only): lets backends read less
     # int32 [B]: the real new tokens of each sequence in a ragged prefill chunk (rows past them are padding, their
     # outputs unspecified); None: all T
@@ -52,16 +49,13 @@ class AttentionMetadata:
 
     @property
     def sparse(self) -> bool:
-        return self.indices is not None or self.layer_indices is not None
+        return self.indices is not None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
-        """The metadata layer `layer` attends with: its own set when there is one per layer, the full cache when an
-        in-pass selection makes it dense."""
+        """The metadata layer `layer` attends with: the full cache when an in-pass selection makes it dense."""
         if self.in_pass is not None and layer in self.in_pass.dense_layers:
             return replace(self, indices=None, in_pass=None)
-        if self.layer_indices is None:
-            return self
-        return replace(self, indices=self.layer_indices[layer], layer_indices=None)
+        return self
 
 
 class AttentionBackend(ABC):
