@@ -178,24 +178,31 @@ def test_the_pass_reads_only_its_sets(env, variant: str) -> None:
     assert not torch.isnan(got).any()
 
 
-def test_a_re_selection_layer_chooses_from_its_own_queries(env) -> None:
-    config = replace(dustin_config(budget=28, m=4, n_recent=8),
-                     selection_layers=(LayerHeads(0, tuple(range(6))), LayerHeads(2, (1, 3))))
-    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
-    selector = decoder.selector
-    calls = []
+def _choices_of_one_pass(decoder) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Run the decoder's next verification pass with its selector's `choose` watched: the lengths, and per call
+    (layer, the set before, the set after, the layer's queries)."""
+    selector, calls = decoder.selector, []
     original = selector.choose
 
     def spy(layer, q, k_cache, lengths):
+        before = selector.indices.clone()
         original(layer, q, k_cache, lengths)
-        calls.append((layer, selector.indices.clone(), q.clone()))
+        calls.append((layer, before, selector.indices.clone(), q.clone()))
 
     selector.choose = spy
     with torch.inference_mode():
         L = decoder.state.lengths
         decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
-    assert [layer for layer, _, _ in calls] == [0, 2]
-    layer, final, q = calls[-1]
+    return L, calls
+
+
+def test_a_re_selection_layer_chooses_from_its_own_queries(env) -> None:
+    config = replace(dustin_config(budget=28, m=4, n_recent=8),
+                     selection_layers=(LayerHeads(0, tuple(range(6))), LayerHeads(2, (1, 3))))
+    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
+    L, calls = _choices_of_one_pass(decoder)
+    assert [layer for layer, *_ in calls] == [0, 2]
+    layer, _, final, q = calls[-1]
     for b in range(len(PROMPTS)):
         n = int(L[b])
         if n <= 28:
@@ -211,19 +218,7 @@ def test_a_pooled_layer_adds_its_scores_to_the_choice(env) -> None:
     config = replace(dustin_config(budget=28, m=4, n_recent=8), selection_layers=(LayerHeads(2, (1, 3)),),
                      pool_layers=(LayerHeads(0, (0, 5)),))
     decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
-    selector = decoder.selector
-    calls = []
-    original = selector.choose
-
-    def spy(layer, q, k_cache, lengths):
-        before = selector.indices.clone()
-        original(layer, q, k_cache, lengths)
-        calls.append((layer, before, selector.indices.clone(), q.clone()))
-
-    selector.choose = spy
-    with torch.inference_mode():
-        L = decoder.state.lengths
-        decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
+    L, calls = _choices_of_one_pass(decoder)
     assert [layer for layer, *_ in calls] == [0, 2]
     assert torch.equal(calls[0][1], calls[0][2])  # the pooled layer only scores
     (_, _, _, q0), (_, _, final, q2) = calls
@@ -244,20 +239,9 @@ def test_pooled_page_bounds_sum_the_layers_pages(env) -> None:
     config = replace(dustin_config(budget=44, m=0, n_recent=8), selection_layers=(LayerHeads(2, (1, 3)),),
                      pool_layers=(LayerHeads(0, (0, 5)),))
     decoder, _ = run("dustin-ip-pages", env, dustin=config, max_new=10)
-    selector = decoder.selector
-    calls = []
-    original = selector.choose
-
-    def spy(layer, q, k_cache, lengths):
-        original(layer, q, k_cache, lengths)
-        calls.append((layer, selector.indices.clone(), q.clone()))
-
-    selector.choose = spy
-    with torch.inference_mode():
-        L = decoder.state.lengths
-        decoder._verify(decoder.drafter.tokens, selector.select(L, selector.estimate(L)))
+    L, calls = _choices_of_one_pass(decoder)
     assert [layer for layer, *_ in calls] == [0, 2]
-    (_, _, q0), (_, final, q2) = calls
+    (_, _, _, q0), (_, _, final, q2) = calls
     checked = 0
     for b in range(len(PROMPTS)):
         n = int(L[b])
