@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -26,10 +25,9 @@ import torch
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
-from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.acceptor import Acceptor, Verdict
-from trtllm_dustin.runtime.acceptors import GreedyAcceptor, RejectionAcceptor
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_request
@@ -37,7 +35,7 @@ from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for, slot_range
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
-from trtllm_dustin.runtime.state import Observation, Progress, RoundState
+from trtllm_dustin.runtime.state import Progress, RoundState
 
 __all__ = ["Decoder", "SlotPrefill"]
 
@@ -49,8 +47,7 @@ class Decoder:
         self.drafter, self.selector, self.graphs, self.kernels = drafter, selector, graphs, kernels
         self.gamma = drafter.gamma
         self.device = cache.seqlens.device
-        # Pairs may pad their embedding tables differently (Qwen2.5-0.5B: 151936 rows, 7B: 152064) around one
-        # tokenizer: the target only ever proposes ids of the shared vocabulary, which every real token is in.
+        # The ids the pair shares (phases.mask_shared): the target proposes no other.
         self.shared_vocab = shared_vocab
         self.state = RoundState.allocate(cache.seqlens)
         with torch.inference_mode():  # the cache may have been allocated under inference mode
@@ -71,8 +68,7 @@ class Decoder:
             if layers or self.target_hidden_layers else None
         # A selector that re-runs the target over the round's tokens (the evaluation oracle) reads the round state.
         selector.bind(self.state)
-        self._greedy = GreedyAcceptor(kernels.round_kernels)
-        self._rejection = RejectionAcceptor(kernels.round_kernels)
+        self.acceptors = phases.Acceptors(kernels.round_kernels)
         self._untimed = PhaseTimer(False, self.device)
 
     # ---- slots -------------------------------------------------------------------------------------------
@@ -113,10 +109,9 @@ class Decoder:
     @torch.inference_mode()
     def begin(self, progress: Progress, slots: slice, first: torch.Tensor, prompts: Sequence[Sequence[int]],
               limits: int | Sequence[int]) -> None:
-        """Slots start generating: `first` [n] is each one's first token (sampled from the prefill logits)."""
-        self.state.cur[slots] = first
-        self.state.prev[slots] = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
-        progress.begin(slots, first, limits)
+        """Slots start generating: `first` [n] is each one's first token (phases.first_tokens of the prefill
+        logits)."""
+        phases.begin(self.state, progress, slots, first, prompts, limits)
 
     @torch.inference_mode()
     def release(self, progress: Progress, slot: int) -> None:
@@ -124,7 +119,7 @@ class Decoder:
         progress.active[slot] = False
         self.state.idle(slice(slot, slot + 1))
 
-    # ---- one round ---------------------------------------------------------------------------------------
+    # ---- one round: the phases (phases.py) in order ----------------------------------------------------------
     @torch.inference_mode()
     def round(self, progress: Progress, sampling: SlotSampling, acceptor: Acceptor | None = None,
               timer: PhaseTimer | None = None) -> Verdict:
@@ -138,32 +133,14 @@ class Decoder:
         with phase("verify"):
             logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices, rows))  # [B, Γ+1, V]
         with phase("accept"):
-            acceptor = acceptor or (self._greedy if sampling.all_greedy else self._rejection)
-            verdict = acceptor.accept(proposal, logits, progress, sampling)
-            seen = Observation(verdict.accepted, verdict.next_tokens, progress.active, self.state.lengths, indices,
-                               self.verify_queries, self.verify_hidden)
-            self.drafter.observe(seen)  # both read the verdict before the commit moves the state on
-            self.selector.observe(seen)
-            self.commit(proposal.tokens, verdict, progress)
+            verdict = phases.accept(self.acceptors, proposal, logits, progress, sampling, acceptor)
+            phases.observe_and_commit(self.verify_tokens, verdict, progress, self.state, indices, self.verify_queries,
+                                      self.verify_hidden, (self.drafter, self.selector), self.kernels.round_kernels)
         return verdict
 
-    def commit(self, draft_tokens: torch.Tensor, verdict: Verdict, progress: Progress) -> None:
-        """Append the accepted drafts and the target's token, cut at EOS and each slot's limit; advance the state.
-        In place, one launch on the GPU: the captured phases read prev, cur and the lengths."""
-        state = self.state
-        commit_round(draft_tokens, self.verify_tokens, verdict.accepted, verdict.next_tokens, progress.eos,
-                     progress.limits, progress.out, progress.active, progress.generated, progress.hist, state.prev,
-                     state.cur, state.lengths, use_kernel=self.kernels.round_kernels)
-
     def _select(self, phase: PhaseTimer) -> torch.Tensor | None:
-        """The estimate and select phases: the round's verification set, or None when the selector verifies in
-        full (no phases run)."""
-        if self.selector.budget is None:
-            return None
-        with phase("estimate"):
-            scores = self.graphs.run("estimate", partial(self.selector.estimate, self.state.lengths))
-        with phase("select"):
-            return self.graphs.run("select", partial(self.selector.select, self.state.lengths, scores))
+        """The estimate and select phases, each a captured graph: the round's set, or None (full verification)."""
+        return phases.choose(self.selector, self.state.lengths, phase, self.graphs.run)
 
     def _busy_rows(self, progress: Progress) -> slice | None:
         """The slots the CPU drafts and verifies: from the first to the last one still generating. Idle slots'
@@ -204,9 +181,7 @@ class Decoder:
 
     def shared_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits with ids outside the pair's shared vocabulary masked out."""
-        if self.shared_vocab < logits.shape[-1]:
-            logits[..., self.shared_vocab:] = float("-inf")
-        return logits
+        return phases.mask_shared(logits, self.shared_vocab)
 
     @torch.inference_mode()
     def capture(self, greedy: bool = True, progress: Progress | None = None) -> None:
@@ -222,12 +197,8 @@ class Decoder:
         logits = self.graphs.run("verify", partial(self._verify, proposal.tokens, indices))
         if progress is None or not greedy:
             return
-        verdict = self._greedy.accept(proposal, logits, progress, None)  # a pure function of its inputs
-        scratch = replace(progress, **{f.name: getattr(progress, f.name).clone() for f in fields(progress)})
-        state, use_kernel = self.state, self.kernels.round_kernels
-        commit_round(proposal.tokens.clone(), self.verify_tokens.clone(), verdict.accepted, verdict.next_tokens,
-                     scratch.eos, scratch.limits, scratch.out, scratch.active, scratch.generated, scratch.hist,
-                     state.prev.clone(), state.cur.clone(), state.lengths.clone(), use_kernel=use_kernel)
+        verdict = self.acceptors.greedy.accept(proposal, logits, progress, None)  # a pure function of its inputs
+        phases.warm_up_commit(self.verify_tokens, verdict, progress, self.state, self.kernels.round_kernels)
 
     # ---- a static batch ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -246,8 +217,7 @@ class Decoder:
         t0 = time.perf_counter()
         self.state.idle(slice(None))
         logits = self.prefill(slice(0, B), prompts, config.prefill_chunk or prefill_chunk_for(B))
-        first = SlotSampling.batch(config.sampling, B, device, seed=config.sampling.seed + 1,
-                                   use_kernel=use_kernel).pick(logits)
+        first = phases.first_tokens(logits, config.sampling, use_kernel)
         self.begin(progress, slice(0, B), first, prompts, config.max_new_tokens)
         _sync(device)
         t_first = time.perf_counter()  # every sequence has its first token: the time to first token
@@ -256,7 +226,7 @@ class Decoder:
         t1 = time.perf_counter()
 
         clock = _RoundClock(device)
-        finished = _FinishCheck(device, config.sync_every, config.run_ahead)
+        finished = phases.FinishCheck(device, config.sync_every, config.run_ahead)
         decoding = torch.zeros((), dtype=torch.long, device=device)  # rounds that began with a sequence active
         rounds = 0
         if bool(progress.active.any()):
@@ -275,42 +245,6 @@ class Decoder:
                                 rounds=rounds, decoding_rounds=decoding_rounds,
                                 decoding_ms=round_ms[decoding_rounds - 1] if decoding_rounds else 0.0,
                                 round_ms=round_ms, committed_hist=progress.hist.tolist(), phase_ms=timer.totals_ms())
-
-
-class _FinishCheck:
-    """Whether every sequence has finished after a round, asked once per round without stalling the device.
-
-    On the CPU the round's ops have already run when the host asks, so reading the flag costs nothing: the loop stops
-    right after the last decoding round. On the GPU the host runs ahead of the device: each round's flag is copied
-    asynchronously into pinned host memory behind an event, and the loop stops at the first round whose copy has
-    landed saying "all finished" (polled with `Event.query()`, which never waits); every `sync_every` rounds the host
-    waits for the newest flag, and with `run_ahead` > 0 it waits for the flag of the round `run_ahead` back before
-    it queues another (an event the device passed with `run_ahead` rounds still queued: it does not idle the device),
-    so at most `run_ahead` idle rounds follow the last decoding one."""
-
-    def __init__(self, device: torch.device, sync_every: int, run_ahead: int = 0) -> None:
-        self.cuda, self.sync_every, self.run_ahead = device.type == "cuda", sync_every, run_ahead
-        if self.cuda:
-            self.ring = max(sync_every, run_ahead + 1)  # flags in flight at once never exceed either bound
-            self.flags = torch.ones(self.ring, dtype=torch.bool, pin_memory=True)  # [r % ring]: any active
-            self.events = [torch.cuda.Event() for _ in range(self.ring)]
-            self.pending: list[int] = []  # ring slots whose copy was queued and not read yet, oldest first
-
-    def __call__(self, active: torch.Tensor, rounds: int) -> bool:
-        if not self.cuda:
-            return not bool(active.any())  # a CPU tensor: a host read, not a device sync
-        slot = rounds % self.ring
-        self.flags[slot].copy_(active.any(), non_blocking=True)
-        self.events[slot].record()
-        self.pending.append(slot)
-        if rounds % self.sync_every == 0:
-            self.events[slot].synchronize()  # every sync_every rounds: a blocking read of the newest flag
-        elif self.run_ahead and len(self.pending) > self.run_ahead:
-            self.events[self.pending[0]].synchronize()  # the flag of the round run_ahead back
-        while self.pending and self.events[self.pending[0]].query():
-            if not bool(self.flags[self.pending.pop(0)]):  # landed in host memory: reading it does not sync
-                return True
-        return False
 
 
 class _RoundClock:

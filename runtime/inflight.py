@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
@@ -130,8 +131,7 @@ class InflightBatcher:
         request, logits = entry.request, entry.prefill.logits  # [1, V]
         entry.prefill = None
         # As generate(): the first token from seed + 1, the rounds from seed.
-        first = SlotSampling.batch(request.sampling, 1, self.device, seed=request.sampling.seed + 1,
-                                   use_kernel=self.decoder.kernels.round_kernels).pick(logits)
+        first = phases.first_tokens(logits, [request.sampling], self.decoder.kernels.round_kernels)
         slots = slice(slot, slot + 1)
         self.decoder.begin(self.progress, slots, first, [list(request.prompt)], request.max_new_tokens)
         self._sampling = None

@@ -23,6 +23,9 @@ decides acceptance. One round of one micro-batch, message by message (tags are t
                  SRH stages), commits its own KV / state / Progress (commit_round), and decides identically whether
                  the micro-batch goes on; an SRH stage then scores S_target of the next round -> 0: S_TARGET
 
+Every phase is the single-process round's own function (runtime/phases.py: first_tokens, begin, choose, accept,
+observe_and_commit, FinishCheck without polling); this module only moves tensors between the stages around them.
+
 Seeded sampling is token-identical to the single-process Decoder: the generator state travels with the messages,
 so the draft's draws (rank 0) and acceptance's draws (last stage) come from one sequence, in the single-process
 order. With micro-batches every slot samples from its own generator (seed + slot, as in-flight serving does),
@@ -52,9 +55,9 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig
 from trtllm_dustin.plugins.argmax import argmax_last
-from trtllm_dustin.plugins.commit import commit_round
 from trtllm_dustin.plugins.kernel_config import KernelConfig
-from trtllm_dustin.runtime.acceptors import GreedyAcceptor, RejectionAcceptor
+from trtllm_dustin.runtime import phases
+from trtllm_dustin.runtime.acceptor import Verdict
 from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
@@ -68,7 +71,7 @@ from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors import InPassSelector
-from trtllm_dustin.runtime.state import Observation, Progress, RoundState
+from trtllm_dustin.runtime.state import Progress, RoundState
 
 __all__ = ["PipelineDecoder", "PipelineSetup"]
 
@@ -188,6 +191,7 @@ class _MicroBatch:
     indices: torch.Tensor | None = None  # int32 [b, k] its verification set
     verdict: torch.Tensor | None = None  # int64 [2, b] on the last stage, until every stage has it
     rounds: int = 0
+    finish: phases.FinishCheck | None = None  # the stop rule, set when the slots begin
     # what this stage receives every round, allocated once (a micro-batch's next round starts only after its verdict,
     # by which time the previous round's messages have been read)
     inbox: dict[_Tag, torch.Tensor] = field(default_factory=dict)
@@ -287,8 +291,7 @@ class PipelineDecoder:
         # The set's size k, as the registry gives it (methods._budget, and Dustin's own budget).
         self.budget = (dustin.budget if dustin is not None else setup.draft_budget) if self.spec.sparse else None
         stage.kernels = setup.kernels
-        self._greedy = GreedyAcceptor(setup.kernels.round_kernels)
-        self._rejection = RejectionAcceptor(setup.kernels.round_kernels)
+        self.acceptors = phases.Acceptors(setup.kernels.round_kernels)
         sizes = [setup.batch_slots // setup.micro_batches + (m < setup.batch_slots % setup.micro_batches)
                  for m in range(setup.micro_batches)]
         starts = [sum(sizes[:m]) for m in range(len(sizes))]
@@ -412,13 +415,10 @@ class PipelineDecoder:
         """The round's custom ops once, on copies, before the decode clock starts: a process's first one pays a
         one-time setup (importing torch._dynamo, about 3 s on the CPU host), which would otherwise land in one
         rank's first round. Decoder.capture does the same for the GPU's eager kernels."""
-        progress, state, use_kernel = mb.progress, mb.state, self.setup.kernels.round_kernels
-        scratch = [t.clone() for t in (progress.out, progress.active, progress.generated, progress.hist, state.prev,
-                                       state.cur, state.lengths)]
-        tokens, zeros = torch.zeros(mb.size, self.gamma + 1, dtype=torch.long, device=self.device), \
-            torch.zeros(mb.size, dtype=torch.long, device=self.device)
-        commit_round(tokens[:, 1:], tokens, zeros, zeros, progress.eos, progress.limits, *scratch,
-                     use_kernel=use_kernel)
+        use_kernel = self.setup.kernels.round_kernels
+        zeros = torch.zeros(mb.size, dtype=torch.long, device=self.device)
+        phases.warm_up_commit(torch.zeros(mb.size, self.gamma + 1, dtype=torch.long, device=self.device),
+                              Verdict(zeros, zeros), mb.progress, mb.state, use_kernel)
         argmax_last(torch.zeros(mb.size, self.stage.config.vocab_size, device=self.device), use_kernel=use_kernel)
 
     def _round_sampling(self, mb: _MicroBatch, config: GenerationConfig, per_slot: bool) -> SlotSampling:
@@ -466,9 +466,7 @@ class PipelineDecoder:
                 mb.selector.indices[:n] = self.group.recv(torch.empty(n, self.budget, dtype=torch.int32,
                                                                       device=self.device), self.seeder, _Tag.SEED,
                                                           "round 1's in-pass set")
-        if stage.last and self.shared_vocab < logits.shape[-1]:
-            logits[..., self.shared_vocab:] = float("-inf")
-        return logits
+        return phases.mask_shared(logits, self.shared_vocab) if stage.last else logits
 
     def _relay_prefill(self, mb: _MicroBatch, hidden_out: dict[int, torch.Tensor], longest: int
                        ) -> dict[int, torch.Tensor]:
@@ -498,22 +496,15 @@ class PipelineDecoder:
         n, use_kernel = mb.prompts, self.setup.kernels.round_kernels
         first = torch.empty(n, dtype=torch.long, device=self.device)
         if self.stage.last:
-            if per_slot:
-                picks = [SlotSampling.batch(replace(config.sampling, seed=config.sampling.seed + g), 1, self.device,
-                                            seed=config.sampling.seed + g + 1, use_kernel=use_kernel)
-                         .pick(logits[i: i + 1]) for i, g in enumerate(range(mb.slots.start, mb.slots.start + n))]
-                first = torch.cat(picks)
-            else:
-                first = SlotSampling.batch(config.sampling, n, self.device, seed=config.sampling.seed + 1,
-                                           use_kernel=use_kernel).pick(logits)
+            sampling = [replace(config.sampling, seed=config.sampling.seed + g)
+                        for g in range(mb.slots.start, mb.slots.start + n)] if per_slot else config.sampling
+            first = phases.first_tokens(logits, sampling, use_kernel)
             for rank in range(self.group.world - 1):
                 self.group.send(first, rank, _Tag.FIRST)
         else:
             self.group.recv(first, self.group.world - 1, _Tag.FIRST, "the first tokens")
-        rows = slice(0, n)
-        mb.state.cur[rows] = first
-        mb.state.prev[rows] = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
-        mb.progress.begin(rows, first, config.max_new_tokens)
+        phases.begin(mb.state, mb.progress, slice(0, n), first, prompts, config.max_new_tokens)
+        mb.finish = phases.FinishCheck(self.device, config.sync_every, poll=False)  # every rank stops alike
 
     # ---- one round, in two halves: a stage's work, then every stage's commit of the verdict ---------------
     def _work(self, mb: _MicroBatch) -> None:
@@ -561,22 +552,18 @@ class PipelineDecoder:
 
     def _select(self, mb: _MicroBatch) -> torch.Tensor | None:
         """The first stage's estimate and select; Dustin's S_target comes summed from the SRH stages."""
-        if self.budget is None:
-            return None
-        lengths = mb.state.lengths
-        scores = mb.selector.estimate(lengths)
-        if self.srh_layers:
+        def with_s_target(scores: tuple) -> tuple:
             for layer in self.srh_layers:
                 if not self.stage.owns(layer):
                     self.group.recv(mb.s_target[layer], self.owner[layer], _Tag.S_TARGET, f"S_target of layer {layer}")
-            scores = (scores[0], sum_in_order(self.srh_layers, mb.s_target, mb.s_target_sum))
-        return mb.selector.select(lengths, scores)
+            return scores[0], sum_in_order(self.srh_layers, mb.s_target, mb.s_target_sum)
+
+        return phases.choose(mb.selector, mb.state.lengths, combine=with_s_target if self.srh_layers else None)
 
     def _accept(self, mb: _MicroBatch, logits: torch.Tensor, sampled: bool) -> None:
         """The last stage: the verdict from the logits [b, Γ+1, V], sent to every other stage."""
         group, b = self.group, mb.size
-        if self.shared_vocab < logits.shape[-1]:
-            logits[..., self.shared_vocab:] = float("-inf")
+        phases.mask_shared(logits, self.shared_vocab)
         probs = None
         if sampled:
             probs = mb.inbox[_Tag.PROBS] if self.gamma else logits.new_zeros(b, 0, logits.shape[-1])
@@ -585,9 +572,7 @@ class PipelineDecoder:
             states = group.recv(torch.empty_like(_generator_states(mb.sampling)), 0, _Tag.STATES,
                                 "the sampling generator state")
             _set_generator_states(mb.sampling, states)
-        proposal = Proposal(mb.tokens[:, 1:], probs)
-        acceptor = self._rejection if sampled else self._greedy
-        verdict = acceptor.accept(proposal, logits, mb.progress, mb.sampling)
+        verdict = phases.accept(self.acceptors, Proposal(mb.tokens[:, 1:], probs), logits, mb.progress, mb.sampling)
         mb.verdict = torch.stack([verdict.accepted, verdict.next_tokens])  # [2, b]
         for rank in range(group.world - 1):
             group.send(mb.verdict, rank, _Tag.VERDICT)
@@ -613,23 +598,16 @@ class PipelineDecoder:
                 group.recv(mb.relay.kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' K/V rows")
                 group.recv(mb.relay.hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
                 mb.relay.unpack_round(mb.state.lengths)
-        accepted, next_tokens = mb.verdict[0], mb.verdict[1]
-        progress, state = mb.progress, mb.state
-        seen = Observation(accepted, next_tokens, progress.active, state.lengths, mb.indices,
-                           mb.capture.queries if mb.capture is not None else {},
-                           mb.relay.verify_hidden if mb.relay is not None else {})
-        if stage.first:  # both read the verdict before the commit moves the state on, as in Decoder.round
-            mb.drafter.observe(seen)
-            mb.selector.observe(seen)
+        observers = [mb.drafter, mb.selector] if stage.first else []  # the order of Decoder.round
         if mb.history is not None:
-            mb.history.observe(seen)
-        commit_round(mb.tokens[:, 1:], mb.tokens, accepted, next_tokens, progress.eos, progress.limits, progress.out,
-                     progress.active, progress.generated, progress.hist, state.prev, state.cur, state.lengths,
-                     use_kernel=self.setup.kernels.round_kernels)
+            observers.append(mb.history)
+        phases.observe_and_commit(mb.tokens, Verdict(mb.verdict[0], mb.verdict[1]), mb.progress, mb.state,
+                                  mb.indices, mb.capture.queries if mb.capture is not None else {},
+                                  mb.relay.verify_hidden if mb.relay is not None else {}, observers,
+                                  self.setup.kernels.round_kernels)
         mb.rounds += 1
-        # Decoder.generate's stop rule: every sync_every rounds the one host read of whether any slot is active.
-        going = mb.rounds < config.max_new_tokens and not (mb.rounds % config.sync_every == 0
-                                                           and not bool(progress.active.any()))
+        # Decoder.generate's stop rule, without polling: every stage decides after the same round.
+        going = mb.rounds < config.max_new_tokens and not mb.finish(mb.progress.active, mb.rounds)
         if going:
             self._score_history(mb)
         return going
