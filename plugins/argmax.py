@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_table
 from .split_kv import runs_triton
 
 __all__ = ["ARGMAX_DTYPES", "argmax_forward", "argmax_last", "argmax_ref"]
@@ -76,9 +77,11 @@ def argmax_forward(x: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, idx: 
     n_chunks = keys.shape[1]
     if rows == 0:
         return
-    _argmax_chunk_kernel[(rows, n_chunks)](x, keys, idx, x.stride(0), n_cols, n_chunks, CHUNK=CHUNK, num_warps=8)
+    choice = launch_table(x.device).argmax
+    _argmax_chunk_kernel[(rows, n_chunks)](x, keys, idx, x.stride(0), n_cols, n_chunks, CHUNK=CHUNK,
+                                           num_warps=choice.chunk_num_warps)
     _argmax_rows_kernel[(rows,)](keys, idx, out, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)),
-                                 num_warps=1)
+                                 num_warps=choice.rows_num_warps)
 
 
 @torch.library.custom_op("trtllm_dustin::argmax_last", mutates_args=())

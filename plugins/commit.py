@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_table
 from .split_kv import runs_triton
 
 __all__ = ["MAX_COMMIT_ROWS", "commit_round", "commit_round_forward", "commit_round_ref"]
@@ -107,7 +108,8 @@ def commit_round_forward(draft_tokens: torch.Tensor, verify_tokens: torch.Tensor
     _commit_round_kernel[(1,)](
         draft_tokens, verify_tokens, accepted, nxt, eos, limits, out, active.view(torch.int8), generated, hist, prev,
         cur, seqlens, batch, eos.numel(), draft_tokens.stride(0), verify_tokens.stride(0), out.stride(0),
-        GAMMA=gamma, BLOCK_B=triton.next_power_of_2(batch), BLOCK_T=triton.next_power_of_2(gamma + 1), num_warps=4)
+        GAMMA=gamma, BLOCK_B=triton.next_power_of_2(batch), BLOCK_T=triton.next_power_of_2(gamma + 1),
+        num_warps=launch_table(out.device).commit.num_warps)
 
 
 @torch.library.custom_op("trtllm_dustin::commit_round", mutates_args=(

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .kv_dtype import is_fp8, store_cast, to_cache_dtype
+from .launch import launch_table
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .split_kv import interpreting, runs_triton
 
@@ -39,11 +40,9 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the fused 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # A norm row lives in registers (32 fp32 values per thread at 16 warps for 16384); wider rows need a looped kernel.
 MAX_NORM_DIM = 16384
-# silu_mul columns per program: 8 bf16 (one 16-byte load) per thread at 4 warps.
-_SILU_BLOCK = 1024
-# rotary embedding: elements of the [heads, D] tile one program covers (16 heads at D = 128), so that a decode
-# step's B * T tokens still make several programs each.
-_ROPE_TILE = 2048
+# The launches (launch.py's table): silu_mul takes 1024 columns per program, 8 bf16 (one 16-byte load) per thread at
+# 4 warps; the rotary embedding's program covers a [heads, D] tile of 2048 elements (16 heads at D = 128), so that a
+# decode step's B * T tokens still make several programs each; a norm row has about 8 bf16 per thread.
 
 
 def _soft_bf16() -> bool:
@@ -169,7 +168,8 @@ def add_rms_norm_forward(x: torch.Tensor, delta: torch.Tensor | None, weight: to
     if rows == 0:
         return
     block = triton.next_power_of_2(cols)
-    num_warps = min(16, max(4, block // 256))  # about 8 bf16 (one 16-byte load) per thread
+    choice = launch_table(x.device).fused_ops
+    num_warps = min(choice.norm_max_warps, max(choice.norm_min_warps, block // choice.norm_columns_per_warp))
     has_delta = delta is not None
     _add_rms_norm_kernel[(rows,)](
         x, delta if has_delta else x, weight, normed, summed if has_delta else normed,
@@ -306,7 +306,8 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     total_heads = num_heads + 2 * num_kv_heads
     if batch * t == 0:
         return
-    block_h = min(triton.next_power_of_2(total_heads), max(1, _ROPE_TILE // head_dim))
+    choice = launch_table(qkv.device).fused_ops
+    block_h = min(triton.next_power_of_2(total_heads), max(1, choice.rope_tile // head_dim))
     grid = (batch * t, triton.cdiv(total_heads, block_h))
     _rope_qkv_to_cache_kernel[grid](
         qkv, cos, sin, positions, q_out, k_cache, v_cache,
@@ -316,7 +317,8 @@ def rope_qkv_to_cache_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         v_cache.stride(2),
         t,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, BLOCK_H=block_h,
-        SOFT_BF16=_soft_bf16(), FP8_CACHE=is_fp8(k_cache.dtype), num_warps=4, enable_fp_fusion=False,
+        SOFT_BF16=_soft_bf16(), FP8_CACHE=is_fp8(k_cache.dtype), num_warps=choice.rope_num_warps,
+        enable_fp_fusion=False,
         **gdc_args(pdl and pdl_supported(qkv.device)),
     )
 
@@ -421,15 +423,16 @@ def silu_mul_forward(gate_up: torch.Tensor, out: torch.Tensor, pdl: bool = False
     Launch contract:
       gate_up: [M, 2I] bf16 / fp16 / fp32, last dim contiguous, any row stride; gate = [:, :I], up = [:, I:]
       out:     [M, I] gate_up.dtype, last dim contiguous (written): silu(gate) * up rounded as torch does
-      grid:    (M, cdiv(I, 1024)); a program covers 1024 columns of one row
+      grid:    (M, cdiv(I, silu_block)); a program covers silu_block columns of one row (launch.py: 1024)
       pdl:     programmatic dependent launch where pdl_supported
     """
     rows, inter = out.shape
     if rows == 0:
         return
-    _silu_mul_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
+    choice = launch_table(out.device).fused_ops
+    _silu_mul_kernel[(rows, triton.cdiv(inter, choice.silu_block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
-        BLOCK=_SILU_BLOCK, SOFT_BF16=_soft_bf16(), num_warps=4, enable_fp_fusion=False,
+        BLOCK=choice.silu_block, SOFT_BF16=_soft_bf16(), num_warps=choice.silu_num_warps, enable_fp_fusion=False,
         **gdc_args(pdl and pdl_supported(gate_up.device)),
     )
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q
+from .launch import launch_table
 from .reference import prefill_attention_ref
 from .split_kv import LOG2E, NEG_BIG, dot_mode, runs_triton, tile_dot
 
@@ -119,8 +120,8 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
       query_lens:    int32 [B] or None: real query tokens per sequence, q_len_b = min(query_lens[b], T); None: T
       out:           [B, T, H_q, D] q.dtype, last dim contiguous (written everywhere; padding rows are zeros)
       grid:          (cdiv(T, BLOCK_M), B * H_q); a program owns query rows [m0, m0 + BLOCK_M) of one (b, head)
-      block_m, block_n, num_warps, num_stages: the chosen launch when None; explicit values are for the tests and
-                     the sweeps (benchmarks/dev/bench_prefill_attention.py)
+      block_m, block_n, num_warps, num_stages: the chosen launch (launch.py's table) when None; explicit values
+                     are for the tests and the sweeps (benchmarks/dev/bench_prefill_attention.py)
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
@@ -128,15 +129,16 @@ def prefill_attention_forward(q, k_cache, v_cache, cache_seqlens, query_lens, so
     # The chosen launch: 128 x 128 tiles, 8 warps, 3 stages, the H200 sweep's fastest at Llama-3.1-8B heads
     # (benchmarks/dev/README.md). Small tiles in the interpreter, whose cost is per element.
     # fp32 (the tests' dtype) takes 64 x 32 tiles in 2 stages: 128 x 128 fp32 tiles exceed the shared memory.
+    choice = launch_table(q.device).prefill_attention
     wide = q.element_size() <= 2
     if block_m is None:
-        block_m = (128 if wide else 64) if q.is_cuda else 16
+        block_m = (choice.block_m if wide else choice.fp32_block_m) if q.is_cuda else choice.interpreter_block
     if block_n is None:
-        block_n = (128 if wide else 32) if q.is_cuda else 16
+        block_n = (choice.block_n if wide else choice.fp32_block_n) if q.is_cuda else choice.interpreter_block
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
+        num_warps = choice.num_warps if block_m >= choice.block_m else choice.fp32_num_warps
     if num_stages is None:
-        num_stages = 3 if wide else 2
+        num_stages = choice.num_stages if wide else choice.fp32_num_stages
     num_m_blocks = triton.cdiv(t, block_m)
     qlens = query_lens if query_lens is not None else cache_seqlens  # unused without HAS_QLENS
     _prefill_attention_kernel[(num_m_blocks, batch * heads_q)](

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q
+from .launch import launch_table
 from .pdl import gdc_args, gdc_wait_if, pdl_supported
 from .reference import sparse_verify_attention_ref
 from .split_kv import (
@@ -33,12 +34,12 @@ from .split_kv import (
 
 __all__ = ["sparse_verify_attention", "sparse_verify_attention_forward", "split_counters"]
 
-# Sparse chunks are short (k = 512 keys in all): the partial outputs cost more than extra key splits gain.
-MIN_KEYS_PER_SPLIT = 1024
-# The chosen launch (the H200 sweeps and what else was tried: benchmarks/dev/README.md): the next index block is
-# loaded during each gather, 64-key tiles, 3 stages, 4 warps; above 16 query rows one 64-row (wgmma) tile with
-# `lean`, because the kernel is bound by instruction issue, not DRAM; at most 16 rows a 16-row tile with the new
-# tokens folded in after the walk; PDL whose programs signal the next launch only by exiting.
+# The chosen launch (its numbers in launch.py's table; the H200 sweeps and what else was tried: benchmarks/dev/
+# README.md): the next index block is loaded during each gather, 64-key tiles, 3 stages, 4 warps, splits of at least
+# 1024 items (the chunks are short: partial outputs cost more than extra splits gain); above 16 query rows one
+# 64-row (wgmma) tile with `lean`, because the kernel is bound by instruction issue, not DRAM; at most 16 rows a
+# 16-row tile with the new tokens folded in after the walk; PDL whose programs signal the next launch only by
+# exiting.
 
 
 @triton.jit
@@ -173,11 +174,11 @@ def _sparse_verify_attention_kernel(
 
 
 def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices, softmax_scale, out, lse, *,
-                                    num_splits=None, block_m=None, block_n=64, num_warps=4, num_stages=3,
+                                    num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                                     new_separate=None, lean=None, pdl=False):
     """Launch the sparse verify attention kernel (inputs already validated).
 
-    The defaults are the chosen launch; explicit values are for the tests and the sweeps (benchmarks/dev/).
+    None is the chosen launch (launch.py's table); explicit values are for the tests and the sweeps (benchmarks/dev/).
     block_m: query rows per program (None: 64 when T * G > 16, else 16; a 64-row tile takes Hopper's wgmma, smaller
     ones mma.sync); an explicit value is cut to the smallest power of two >= T * G.
     new_separate: gather the T new tokens' K/V before the index walk and fold them in after it (None: when
@@ -207,11 +208,15 @@ def sparse_verify_attention_forward(q, k_cache, v_cache, cache_seqlens, indices,
     heads_kv = k_cache.shape[1]
     num_indices = indices.shape[-1]
     group = heads_q // heads_kv
+    choice = launch_table(q.device).sparse_verify_attention
     if num_splits is None:
-        num_splits = pick_num_splits(batch * heads_kv, num_indices + t, MIN_KEYS_PER_SPLIT, q.device)
+        num_splits = pick_num_splits(batch * heads_kv, num_indices + t, choice.min_keys_per_split, q.device)
+    block_n = choice.block_n if block_n is None else block_n
+    num_warps = choice.num_warps if num_warps is None else num_warps
+    num_stages = choice.num_stages if num_stages is None else num_stages
     rows = t * group
     if block_m is None:  # a 64-row (wgmma) tile above 16 rows, even when fewer would hold them
-        block_m = 64 if rows > 16 else 16
+        block_m = choice.tile_rows if rows > choice.small_tile_rows else choice.small_tile_rows
     else:
         block_m = min(max(16, block_m), max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, block_m)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_table
 from .pdl import gdc_args, gdc_wait_if
 
 __all__ = [
@@ -246,5 +247,5 @@ def combine_splits(o_part: torch.Tensor, ml_part: torch.Tensor, out: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2),
         rows, num_splits,
         T=t, NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4, **gdc_args(pdl),
+        num_warps=launch_table(out.device).combine_splits.num_warps, **gdc_args(pdl),
     )

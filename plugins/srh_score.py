@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q
+from .launch import launch_table
 from .pdl import gdc_args, gdc_wait_if, pdl_supported
 from .reference import srh_score_ref
 from .split_kv import LOG2E, NEG_BIG, dot_mode, pick_num_splits, runs_triton, tile_dot
@@ -31,15 +32,12 @@ from .split_kv import LOG2E, NEG_BIG, dot_mode, pick_num_splits, runs_triton, ti
 __all__ = ["srh_score", "srh_score_forward"]
 
 MAX_GROUPS_PER_LAUNCH = 8  # 8 bits per group in an int64
-MIN_KEYS_PER_SPLIT = 1024  # first pass (log-denominators) only
-# First pass: one group per program and no V, so it wants more programs than the attention kernels
-# (4 per SM measured fastest on the H200: benchmarks/dev/README.md).
-LSE_PROGRAMS_PER_SM = 4
+# The launch (launch.py's table): the first pass (log-denominators) has one group per program and no V, so it
+# wants more programs than the attention kernels (4 per SM measured fastest on the H200: benchmarks/dev/README.md).
 # Without lse the denominator pass also stores the selected rows' scores (fp32 [B, T, columns, S_max]:
 # 8.4 MB for the target's 1 query x 4 heads at B=16, 32K) so the probabilities need no second read of
 # K (537 MB there). Above this size the scores are recomputed from K instead.
 RAW_SCORES_MAX_BYTES = 512 * 2**20
-SUM_BLOCK_N = 512  # keys per program of the raw-score sum (a plain fp32 stream)
 
 
 @triton.jit(do_not_specialize=["kv_heads_packed", "group_sizes_packed"])
@@ -193,7 +191,7 @@ def _pack(values: list[int]) -> int:
 
 
 def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, out, accumulate, *,
-                      block_n=None, num_warps=4, num_stages=2, raw_scores=None, pdl=False):
+                      block_n=None, num_warps=None, num_stages=None, raw_scores=None, pdl=False):
     """Launch the SRH scoring kernels (inputs already validated).
 
     Launch contract:
@@ -209,8 +207,8 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
                      None picks True while that buffer stays under RAW_SCORES_MAX_BYTES
       pdl:           programmatic dependent launch of every kernel where pdl_supported (each waits for its
                      predecessor before its first read and signals the next launch only by exiting)
-      block_n, num_warps, num_stages: the chosen launch by default; explicit values are for the tests and the
-                     sweeps (benchmarks/dev/)
+      block_n, num_warps, num_stages: the chosen launch (launch.py's table) when None; explicit values are
+                     for the tests and the sweeps (benchmarks/dev/)
       Per launch of at most 8 KV-head groups (P = largest group, rows T * P per group):
         q_sel [B, T, n_groups * P, D] is gathered by torch ops.
         With lse: lse_sel is gathered too and _srh_score_kernel, grid (cdiv(S_max, BLOCK_N), B),
@@ -226,8 +224,11 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
     qk_scale_log2 = softmax_scale * LOG2E
     mode = dot_mode(q.dtype)
     gdc = gdc_args(pdl and pdl_supported(q.device))
+    choice = launch_table(q.device).srh_score
     if block_n is None:  # the H200 sweep's fastest: 64 keys at D = 128, 128 at D = 64 (benchmarks/dev/README.md)
-        block_n = 64 if head_dim * q.element_size() >= 256 else 128
+        block_n = choice.wide_row_block_n if head_dim * q.element_size() >= 256 else choice.block_n
+    num_warps = choice.num_warps if num_warps is None else num_warps
+    num_stages = choice.num_stages if num_stages is None else num_stages
     for first in range(0, len(groups), MAX_GROUPS_PER_LAUNCH):
         chunk = groups[first:first + MAX_GROUPS_PER_LAUNCH]
         rows = max(len(heads) for _, heads in chunk)
@@ -239,7 +240,8 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
         block_m = max(16, triton.next_power_of_2(t * rows))
         add = accumulate or first > 0
         if lse is None:
-            num_splits = pick_num_splits(batch * len(chunk), s_max, MIN_KEYS_PER_SPLIT, q.device, LSE_PROGRAMS_PER_SM)
+            num_splits = pick_num_splits(batch * len(chunk), s_max, choice.min_keys_per_split, q.device,
+                                         choice.lse_programs_per_sm)
             lse_part = torch.empty(num_splits, batch, t, len(columns), device=q.device, dtype=torch.float32)
             raw_bytes = 4 * batch * t * len(columns) * s_max
             keep_raw = raw_bytes <= RAW_SCORES_MAX_BYTES if raw_scores is None else raw_scores
@@ -255,11 +257,12 @@ def srh_score_forward(q, k_cache, cache_seqlens, head_ids, lse, softmax_scale, o
                 num_warps=num_warps, num_stages=num_stages, **gdc,
             )
             if keep_raw:
-                _srh_sum_raw_kernel[(triton.cdiv(s_max, SUM_BLOCK_N), batch)](
+                _srh_sum_raw_kernel[(triton.cdiv(s_max, choice.sum_block_n), batch)](
                     raw, lse_part, cache_seqlens, out,
                     out.stride(0), batch, num_splits, s_max, sizes_packed,
-                    T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), BLOCK_N=SUM_BLOCK_N,
-                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)), ACCUMULATE=add, num_warps=4, **gdc,
+                    T=t, GROUP_ROWS=rows, NUM_GROUPS=len(chunk), BLOCK_N=choice.sum_block_n,
+                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)), ACCUMULATE=add,
+                    num_warps=choice.sum_num_warps, **gdc,
                 )
                 continue
             lse_sel = torch.logsumexp(lse_part, dim=0)  # [B, T, n_groups * rows]

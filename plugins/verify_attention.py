@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .checks import check_attention_inputs, check_out
 from .kv_dtype import compute_q, is_fp8
+from .launch import launch_table
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .reference import verify_attention_ref
 from .split_kv import (
@@ -31,9 +32,6 @@ from .split_kv import (
 )
 
 __all__ = ["verify_attention", "verify_attention_forward"]
-
-# A chunk shorter than this spends more on its partial output than it saves in parallelism.
-MIN_KEYS_PER_SPLIT = 256
 
 
 @triton.jit
@@ -92,7 +90,7 @@ def _verify_attention_kernel(
 
 
 def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, out, lse, *,
-                             max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=3,
+                             max_seqlen=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
                              pdl=False):
     """Launch the full-cache verify attention kernel (inputs already validated).
 
@@ -108,23 +106,28 @@ def verify_attention_forward(q, k_cache, v_cache, cache_seqlens, softmax_scale, 
                      in-kernel; num_splits > 1 adds the combine_splits launch.
       max_seqlen:    static bound on L_b + T used to pick num_splits (default S_max)
       pdl:           programmatic dependent launch where pdl_supported
-      num_splits, block_n, num_warps, num_stages: the chosen launch when None / default; explicit values are for
-                     the tests and the sweeps (benchmarks/dev/)
+      num_splits, block_n, num_warps, num_stages: the chosen launch (launch.py's table) when None; explicit values
+                     are for the tests and the sweeps (benchmarks/dev/)
     """
     batch, t, heads_q, head_dim = q.shape
     heads_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
+    choice = launch_table(q.device).verify_attention
     # An fp8 cache's tile conversion leaves one program per SM short of the bandwidth: two per SM (benchmarks/dev/).
     fp8 = is_fp8(k_cache.dtype)
     if num_splits is None:
         bound = s_max if max_seqlen is None else min(max_seqlen, s_max)
-        num_splits = pick_num_splits(batch * heads_kv, bound, MIN_KEYS_PER_SPLIT, q.device,
-                                     programs_per_sm=2 if fp8 else 1)
+        num_splits = pick_num_splits(batch * heads_kv, bound, choice.min_keys_per_split, q.device,
+                                     programs_per_sm=choice.fp8_programs_per_sm if fp8 else 1)
     block_m = max(16, triton.next_power_of_2(t * group))
-    if block_n is None:  # a 32 KB K tile (bf16: 128 keys at D=128, 256 at D=64): 3 stages of K + V fit in smem
-        block_n = min(256, 32768 // (head_dim * q.element_size()) // (2 if block_m >= 128 else 1))
+    if block_n is None:  # a K tile of tile_bytes (32 KB: 128 keys at D=128 in bf16): 3 stages of K + V fit in smem
+        block_n = min(choice.max_block_n, choice.tile_bytes // (head_dim * q.element_size())
+                      // (2 if block_m >= 128 else 1))
     if num_warps is None:  # the H200 sweeps' fastest: 4 warps, 8 for 256-key tiles over a bf16 cache
-        num_warps = 8 if block_m >= 128 or (block_n >= 256 and not fp8) else 4
+        wide = block_m >= 128 or (block_n >= choice.max_block_n and not fp8)
+        num_warps = choice.wide_num_warps if wide else choice.num_warps
+    if num_stages is None:
+        num_stages = choice.num_stages
     direct = num_splits == 1
     use_gdc = pdl and pdl_supported(q.device)
     if direct:
