@@ -192,8 +192,14 @@ def test_the_tables_are_the_size_the_issue_asks_for() -> None:
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
+    """Every subcommand of `trtllm-dustin` and of `python -m trtllm_dustin.search.cli` (the docs use both)."""
+    from trtllm_dustin.search.cli import build_parser as build_search_parser
+
+    found = {}
+    for prefix, parser in (("", build_parser()), ("search.cli ", build_search_parser())):
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        found.update({prefix + name: command for name, command in sub.choices.items()})
+    return found
 
 
 def test_every_numeric_option_has_a_range() -> None:

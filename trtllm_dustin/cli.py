@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
-class _DefaultsHelp(argparse.HelpFormatter):
+class DefaultsHelp(argparse.HelpFormatter):
     """--help shows every option's default: appended to its help unless the help already says what it is (a default
     of None is explained there), and an option without help gets its default as its help; flags are off."""
 
@@ -155,26 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
     from trtllm_dustin.runtime.methods import OFFERED_METHODS
-    from trtllm_dustin.search.cli import (
-        add_arr_arguments,
-        add_layers_arguments,
-        add_search_arguments,
-        add_srh_arguments,
-        arr_command,
-        layers_command,
-        search_command,
-        srh_command,
-    )
+    from trtllm_dustin.search.cli import add_commands as add_search_commands
 
     parser = _Parser(prog="trtllm-dustin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)",
-                         formatter_class=_DefaultsHelp)
+                         formatter_class=DefaultsHelp)
     _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK)
     gen.set_defaults(func=_generate)
 
     build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
-                           "stages and tuned (docs/engines.md)", formatter_class=_DefaultsHelp)
+                           "stages and tuned (docs/engines.md)", formatter_class=DefaultsHelp)
     build.add_argument("--out", type=Path, required=True, help="engine directory (must not exist, unless --force)")
     build.add_argument("--model", default=None, help="target: checkpoint directory, .gguf file or preset:NAME; "
                        "None: SmolLM2-135M-Instruct")
@@ -200,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=_build)
 
     repo = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (docs/serving.md)",
-                          formatter_class=_DefaultsHelp)
+                          formatter_class=DefaultsHelp)
     repo.add_argument("--out", type=Path, required=True, help="repository directory (created; other models kept)")
     repo.add_argument("--name", default="dustin", help="model name inside the repository")
     repo.add_argument("--model", default=None,
@@ -241,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     repo.set_defaults(func=_triton_repo)
 
     serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
-                           "until Ctrl-C / SIGTERM", formatter_class=_DefaultsHelp)
+                           "until Ctrl-C / SIGTERM", formatter_class=DefaultsHelp)
     serve.add_argument("--repo", type=Path, required=True, help="the model repository (`trtllm-dustin triton-repo`)")
     serve.add_argument("--address", default="127.0.0.1",
                        help="interface the HTTP and gRPC endpoints bind (0.0.0.0: every interface)")
@@ -256,25 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "(with an error that says so); waiting ones are refused at once")
     serve.set_defaults(func=_serve)
 
-    for name, add_arguments, command, text in (
-            ("srh", add_srh_arguments, srh_command, "identify semantic retrieval heads (needle-in-a-haystack)"),
-            ("arr", add_arr_arguments, arr_command, "ARR analysis: policies vs budget, layer-wise, ARR-KL"),
-            ("search", add_search_arguments, search_command, "Algorithm 1: write a target-draft pair's Dustin config"),
-            ("search-layers", add_layers_arguments, layers_command,
-             "the in-pass selection layers of a target (written into its Dustin config)")):
-        command_parser = sub.add_parser(name, help=text, formatter_class=_DefaultsHelp)
-        add_arguments(command_parser)
-        command_parser.set_defaults(func=command)
+    add_search_commands(sub, DefaultsHelp)
 
     prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation",
-                          formatter_class=_DefaultsHelp)
+                          formatter_class=DefaultsHelp)
     prep.add_argument("--out", type=Path, required=True, help="output .npy (uint16 [windows, seq_len])")
     prep.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
     prep.add_argument("--max-windows", type=int, default=None, help="stop after this many windows; None: all")
     prep.set_defaults(func=_prepare_distill_data)
 
     train = sub.add_parser("train-draft", help="distil a draft from the target (GPU recommended)",
-                           formatter_class=_DefaultsHelp)
+                           formatter_class=DefaultsHelp)
     train.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data")
     train.add_argument("--out", type=Path, required=True, help="directory for checkpoint/, record and loss curve")
     train.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
@@ -297,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = LongSparkTrainConfig()
     spark = sub.add_parser("train-longspark", help="train a LongSpark drafter against its frozen target (GPU; "
                            "resumable: rerun with the same --out)",
-                           formatter_class=_DefaultsHelp)
+                           formatter_class=DefaultsHelp)
     spark.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
     spark.add_argument("--out", type=Path, required=True,
                        help="directory for checkpoint/, resume.pt, the training record and the loss curve")

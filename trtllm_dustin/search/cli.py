@@ -519,21 +519,29 @@ def layers_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# name, its arguments, what it runs, its --help line: the four commands of this module and of `trtllm-dustin`
+COMMANDS = (
+    ("srh", add_srh_arguments, srh_command, "identify semantic retrieval heads (needle-in-a-haystack profiling)"),
+    ("arr", add_arr_arguments, arr_command, "ARR analysis: policies vs budget, layer-wise ARR, ARR-KL correlation"),
+    ("search", add_search_arguments, search_command, "Algorithm 1: write the Dustin config of a target-draft pair"),
+    ("search-layers", add_layers_arguments, layers_command,
+     "the in-pass selection layers of a target (written into its Dustin config)"),
+)
+
+
+def add_commands(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    for name, add_arguments, command, text in COMMANDS:
+        command_parser = sub.add_parser(name, help=text, formatter_class=formatter)
+        add_arguments(command_parser)
+        command_parser.set_defaults(func=command)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The four commands, --help showing every default as `trtllm-dustin srh|arr|search|search-layers` do."""
+    from trtllm_dustin.cli import DefaultsHelp
+
     parser = argparse.ArgumentParser(prog="python -m trtllm_dustin.search.cli", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    srh = sub.add_parser("srh", help="identify semantic retrieval heads (needle-in-a-haystack profiling)")
-    add_srh_arguments(srh)
-    srh.set_defaults(func=srh_command)
-    arr = sub.add_parser("arr", help="ARR analysis: policies vs budget, layer-wise ARR, ARR-KL correlation")
-    add_arr_arguments(arr)
-    arr.set_defaults(func=arr_command)
-    search = sub.add_parser("search", help="Algorithm 1: write the Dustin config of a target-draft pair")
-    add_search_arguments(search)
-    search.set_defaults(func=search_command)
-    layers = sub.add_parser("search-layers", help="the in-pass selection layers of a target (search/in_pass.py)")
-    add_layers_arguments(layers)
-    layers.set_defaults(func=layers_command)
+    add_commands(parser.add_subparsers(dest="command", required=True), DefaultsHelp)
     return parser
 
 
