@@ -111,3 +111,20 @@ def test_cli_checks_the_configs_before_loading_weights(capsys) -> None:
         assert main(tiny + extra) == 2
         captured = capsys.readouterr()
         assert message in captured.err and "weights loaded" not in captured.out
+
+
+def test_triton_repo_names_its_own_flags_when_the_model_does_not_fit(tmp_path, monkeypatch, capsys) -> None:
+    """triton-repo's limits are --max-batch / --max-seq-len / --method (it has no --batch-size): its refusal names
+    those, before anything is written."""
+    from trtllm_dustin import cli, kv_cache
+
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 1 << 20)
+    out = tmp_path / "models"
+    code = cli.main(["triton-repo", "--out", str(out), "--model", "preset:tiny-llama", "--draft",
+                     "preset:tiny-llama-draft", "--method", "classic", "vanilla", "--max-batch", "4",
+                     "--max-seq-len", "256", "--device", "cpu"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "lower --max-batch or --max-seq-len, or serve fewer --method, or use a larger device" in err
+    assert "--batch-size" not in err
+    assert not out.exists()

@@ -955,7 +955,7 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
     check_fits(f"the repository's model (weights {weights / 2**30:.2f} GiB + KV caches of {len(args.method)} "
                f"method(s) x {args.max_batch} x {args.max_seq_len} tokens {caches / 2**30:.2f} GiB"
                + (f" + the sparse gather at k = {max(ks)} {gather / 2**30:.2f} GiB)" if ks else ")"),
-               weights + caches + gather, device)
+               weights + caches + gather, device, fix="lower --max-batch or --max-seq-len, or serve fewer --method")
 
     def absolute(spec: str | None) -> str | None:
         named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK)

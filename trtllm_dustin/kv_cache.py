@@ -50,13 +50,15 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def check_fits(what: str, needed: int, device: torch.device, headroom: float = 0.9) -> None:
-    """Raise MemoryPlanError before allocating when `needed` bytes exceed `headroom` of what is free."""
+def check_fits(what: str, needed: int, device: torch.device, headroom: float = 0.9,
+               fix: str = "lower --batch-size or --max-seq-len") -> None:
+    """Raise MemoryPlanError before allocating when `needed` bytes exceed `headroom` of what is free; `fix` names
+    the caller's own flags."""
     free = available_memory(device)
     if needed > headroom * free:
         raise MemoryPlanError(
             f"{what} needs {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on {device} "
-            f"({headroom:.0%} usable); lower --batch-size or --max-seq-len, or use a larger device")
+            f"({headroom:.0%} usable); {fix}, or use a larger device")
 
 
 @dataclass
