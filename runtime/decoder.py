@@ -81,10 +81,12 @@ class Decoder:
             pass
         return job.logits
 
-    def start_prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int = 2048) -> SlotPrefill:
+    def start_prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int = 2048, start: int = 0
+                      ) -> SlotPrefill:
         """`prefill` one chunk at a time: the in-flight batcher runs decode rounds of the other slots between the
-        chunks (the slots wait parked, runtime/prefill.py)."""
-        return SlotPrefill(self, slots, prompts, chunk)
+        chunks (the slots wait parked, runtime/prefill.py). start > 0: the prompts' first `start` positions are
+        put into the caches by the caller (`SlotPrefill.caches`, a reused prefix) before the first step."""
+        return SlotPrefill(self, slots, prompts, chunk, start)
 
     @torch.inference_mode()
     def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor],
@@ -278,14 +280,15 @@ class SlotPrefill:
     the drafter's own; after the last one the slots' lengths are set, the hooks have run and `logits` holds the
     target's next-token logits [n, V] (ids outside the shared vocabulary masked)."""
 
-    def __init__(self, decoder: Decoder, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:
+    def __init__(self, decoder: Decoder, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0
+                 ) -> None:
         self.decoder, self.slots, self.prompts = decoder, slots, prompts
         n, dtype, device = len(prompts), decoder.target.embed.weight.dtype, decoder.device
         self.hidden = {layer: torch.zeros(n, decoder.target.config.hidden_size, dtype=dtype, device=device)
                        for layer in decoder.target_hidden_layers}
         self.target = PrefillJob(decoder.target, slot_range(decoder.cache, slots), decoder.backend, prompts, chunk,
-                                 decoder.target_query_layers, hidden_out=self.hidden)
-        self.draft = decoder.drafter.prefill(slots, prompts, chunk)  # None: the drafter keeps no cache
+                                 decoder.target_query_layers, hidden_out=self.hidden, start=start)
+        self.draft = decoder.drafter.prefill(slots, prompts, chunk, start)  # None: the drafter keeps no cache
         self.logits: torch.Tensor | None = None
 
     @property
@@ -296,6 +299,16 @@ class SlotPrefill:
     @property
     def finished(self) -> bool:
         return self.logits is not None
+
+    @property
+    def remaining(self) -> int:
+        """Prompt positions still to write (of the job's longest prompt)."""
+        return self.target.remaining
+
+    @property
+    def caches(self) -> list[KVCache]:
+        """The caches this prefill writes, restricted to its slots: the target's, then the drafter's own if any."""
+        return [self.target.view] + ([self.draft.view] if self.draft is not None else [])
 
     @torch.inference_mode()
     def step(self) -> bool:

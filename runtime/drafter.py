@@ -60,9 +60,11 @@ class Drafter(Protocol):
     target_query_layers: tuple[int, ...]  # target layers whose queries it reads (PrefillView, Observation)
     target_hidden_layers: tuple[int, ...]  # target layers whose hidden states it reads (PrefillView, Observation)
 
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> PrefillJob | None:
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0
+                ) -> PrefillJob | None:
         """The job that writes the prompts into the drafter's own cache for slots [start, stop), chunk by chunk
-        (None: it has no cache of its own); the decoder advances it beside the target's."""
+        (None: it has no cache of its own); the decoder advances it beside the target's. start: the prompts' first
+        positions already in that cache (a reused prefix), which the job does not write again."""
 
     def on_prefill(self, view: PrefillView) -> None:
         """Prompt-time state of newly admitted slots (after both prefills)."""

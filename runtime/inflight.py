@@ -1,14 +1,19 @@
 """In-flight batching: requests join and leave a Decoder's batch slots between rounds.
 
-    admit(request) -> slot     take a free slot; a prompt of at most `prefill_chunk` tokens is prefilled at once (its
-                               first token comes back), a longer one chunk by chunk inside the next steps
-    step()                     the next prefill chunk of one admitted prompt (if any), then one Decoder.round for
-                               every slot; a prompt whose last chunk ran begins and streams its first token
+    admit(request) -> slot     take a free slot; a prompt of at most `prefill_chunk` tokens (after the prefix the
+                               prefix cache gives, if any) is prefilled at once (its first token comes back), a
+                               longer one chunk by chunk inside the next steps
+    step()                     prefill chunks of the admitted prompts, oldest first, up to `prefill_budget` tokens,
+                               then one Decoder.round for every slot; a prompt whose last chunk ran begins and streams
+                               its first token
     release(slot)              the slot runs along idle until the next admission
 
-Chunked admission: a long prompt costs the running requests one chunk per step, not its whole prefill, so none of
-them stalls for longer than one chunk (time to first token of the others and inter-token latency stay bounded). The
-admitted slot waits parked between its chunks (runtime/prefill.py), outside the round's commits.
+Chunked admission under a token budget: a long prompt costs the running requests at most `prefill_budget` prompt
+tokens of prefill per step, not its whole prefill, so none of them stalls for longer than that (time to first token
+of the others and inter-token latency stay bounded); a larger budget admits queued prompts sooner at the cost of
+the running requests' inter-token latency. The admitted slots wait parked between their chunks (runtime/prefill.py),
+outside the round's commits. With a PrefixCache, a prompt that starts with a cached prefix copies its K/V into the
+slot and prefills only the rest (runtime/prefix_cache.py).
 
 The round is the decoder's own, the one `generate()` runs. Every slot carries its own sampling parameters, token
 limit and random generator (per-slot SlotSampling), so a request's tokens are those of `decoder.generate([prompt])`
@@ -26,6 +31,7 @@ import torch
 from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
+from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
 
@@ -66,12 +72,21 @@ class _Slot:
 
 
 class InflightBatcher:
-    def __init__(self, decoder: Decoder, eos_token_ids: tuple[int, ...] | list[int] = (), prefill_chunk: int = 2048
-                 ) -> None:
+    def __init__(self, decoder: Decoder, eos_token_ids: tuple[int, ...] | list[int] = (), prefill_chunk: int = 2048,
+                 prefill_budget: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
+        """prefill_budget: prompt tokens prefilled per step at most, over the waiting admissions oldest first, in
+        chunks of at most prefill_chunk (at least one chunk runs; None: one chunk per step). prefix_cache: reuse the
+        K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every prompt is prefilled whole."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 token")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget={prefill_budget} must be >= 1 token (or None: one chunk per step)")
         self.decoder = decoder
         self.cache = decoder.cache
         self.device = decoder.device
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
+        self.prefix_cache = prefix_cache
         slots = self.cache.batch_slots
         self._slots: list[_Slot | None] = [None] * slots
         self.progress = Progress.allocate(slots, self.cache.max_seq_len, decoder.gamma, eos_token_ids, self.device)
@@ -115,12 +130,16 @@ class InflightBatcher:
         if None not in self._slots:
             raise RuntimeError("no free batch slot; admit only when free_slots > 0")
         slot = self._slots.index(None)
-        job = self.decoder.start_prefill(slice(slot, slot + 1), [list(request.prompt)], self.prefill_chunk)
+        keys = self.prefix_cache.match(request.prompt) if self.prefix_cache is not None else []
+        start = len(keys) * self.prefix_cache.block if keys else 0
+        job = self.decoder.start_prefill(slice(slot, slot + 1), [list(request.prompt)], self.prefill_chunk, start)
+        if keys:
+            self.prefix_cache.load(keys, job.caches)
         generator = None if request.sampling.greedy else \
             torch.Generator(device=self.device).manual_seed(request.sampling.seed)
         self._admitted += 1
         self._slots[slot] = _Slot(request, generator, job, self._admitted)
-        if len(request.prompt) > self.prefill_chunk:
+        if job.remaining > self.prefill_chunk:
             return slot, None
         job.step()
         return slot, self._begin(slot)
@@ -129,6 +148,8 @@ class InflightBatcher:
         """A slot whose prefill finished starts generating: its first token from the prefill logits."""
         entry = self._slots[slot]
         request, logits = entry.request, entry.prefill.logits  # [1, V]
+        if self.prefix_cache is not None:  # the caches hold exactly the prompt now (no round has run on the slot)
+            self.prefix_cache.store(request.prompt, entry.prefill.caches)
         entry.prefill = None
         # As generate(): the first token from seed + 1, the rounds from seed.
         first = phases.first_tokens(logits, [request.sampling], self.decoder.kernels.round_kernels)
@@ -157,16 +178,21 @@ class InflightBatcher:
 
     @torch.inference_mode()
     def step(self) -> list[SlotUpdate]:
-        """The oldest chunked admission's next chunk, then one round for every decoding slot; return the first token
-        of a slot whose prefill completed and what each decoding slot committed."""
-        updates = []
-        waiting = self.prefilling
-        if waiting:
+        """Prefill chunks of the chunked admissions, oldest first, up to prefill_budget tokens (at least one chunk),
+        then one round for every decoding slot; return the first token of each slot whose prefill completed and what
+        each decoding slot committed."""
+        updates, used = [], 0
+        while waiting := self.prefilling:
             slot = waiting[0]
-            if self._slots[slot].prefill.step():
+            job = self._slots[slot].prefill
+            cost = min(self.prefill_chunk, job.remaining)
+            if used and used + cost > self.prefill_budget:
+                break
+            used += cost
+            if job.step():
                 updates.append(self._begin(slot))
         decoding = [i for i, s in enumerate(self._slots) if s is not None and s.prefill is None]
-        if not decoding or (updates and decoding == [updates[0].slot] and updates[0].finished):
+        if set(decoding) <= {u.slot for u in updates if u.finished}:  # none, or only slots that began and ended
             return updates
         progress = self.progress
         before = progress.generated.clone()

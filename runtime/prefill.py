@@ -51,11 +51,14 @@ class PrefillJob:
     @torch.inference_mode()
     def __init__(self, model: Transformer, cache: KVCache, backend: AttentionBackend,
                  prompts: Sequence[Sequence[int]], chunk: int = 2048, capture_layers: Sequence[int] = (),
-                 hidden_out: dict[int, torch.Tensor] | None = None) -> None:
+                 hidden_out: dict[int, torch.Tensor] | None = None, start: int = 0) -> None:
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("prefill needs at least one prompt and no empty one")
         if chunk < 1:
             raise ValueError(f"prefill chunk {chunk} must be >= 1")
+        if not 0 <= start < min(len(p) for p in prompts):
+            raise ValueError(f"prefill start {start} must leave at least the last prompt token to run "
+                             f"(0 <= start < {min(len(p) for p in prompts)})")
         B = len(prompts)
         if B > cache.batch_slots:
             raise ValueError(f"{B} prompts for {cache.batch_slots} cache slots")
@@ -68,7 +71,9 @@ class PrefillJob:
         for i, p in enumerate(prompts):
             self.tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         self.view = cache if B == cache.batch_slots else slot_range(cache, slice(0, B))
-        self.done = 0  # prompt positions written so far (the same for every prompt: they advance together)
+        # Prompt positions written so far (the same for every prompt: they advance together). start > 0: the caller
+        # has put the prompts' first `start` positions into the cache already (a reused prefix: prefix_cache.py).
+        self.done = start
         self.last_logits = torch.zeros(B, config.vocab_size, dtype=torch.float32, device=device)
         self.qdtype = model.embed.weight.dtype  # the model's: the cache may be fp8
         self.last_queries = {layer: torch.zeros(B, config.num_heads, config.head_dim, dtype=self.qdtype,
@@ -78,6 +83,11 @@ class PrefillJob:
     @property
     def finished(self) -> bool:
         return self.done >= self.longest
+
+    @property
+    def remaining(self) -> int:
+        """Prompt positions (of the longest prompt) still to write."""
+        return self.longest - self.done
 
     @torch.inference_mode()
     def step(self) -> bool:

@@ -125,6 +125,7 @@ def test_triton_repo_names_its_own_flags_when_the_model_does_not_fit(tmp_path, m
                      "--max-seq-len", "256", "--device", "cpu"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "lower --max-batch or --max-seq-len, or serve fewer --method, or use a larger device" in err
+    assert ("lower --max-batch, --max-seq-len or --prefix-cache-mib, or serve fewer --method, or use a larger "
+            "device") in err
     assert "--batch-size" not in err
     assert not out.exists()

@@ -12,22 +12,19 @@ import torch
 from helpers.serving import (
     DUSTIN,
     EOS,
-    MAX_SEQ_LEN,
     SERVED,
-    _models,
     direct_text,
-    longspark_drafter,
+    make_batcher,
     prompt_text,
     reference_kernels,
+    run_requests,
+    serve_requests,
 )
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
-from trtllm_dustin.attention import get_backend
 from trtllm_dustin.cli import main
-from trtllm_dustin.kv_cache import KVCache
-from trtllm_dustin.runtime.build import build_decoder
-from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
-from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup
+from trtllm_dustin.runtime.inflight import SlotRequest
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig, write_model_repository
 from trtllm_dustin.serving.engine import GenerationRequest, QueueFullError, RequestError, ServingEngine
@@ -49,42 +46,6 @@ def test_every_method_is_covered() -> None:
     assert all(METHODS[m].eager_only and not METHODS[m].offered for m in BATCH_WIDE)
 
 
-def _batcher(method: str, slots: int, draft=None) -> InflightBatcher:
-    target, default_draft = _models()
-    draft = draft or default_draft
-    decoder = build_decoder(method, MethodSetup(
-        target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
-        backend=get_backend("reference"), draft=draft,
-        draft_cache=KVCache.allocate(draft.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"), gamma=SERVED.gamma,
-        draft_budget=SERVED.draft_budget, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
-    return InflightBatcher(decoder, EOS, prefill_chunk=16)
-
-
-def _serve(batcher: InflightBatcher, requests: list[SlotRequest]) -> dict[int, list[int]]:
-    """Requests admitted in order as slots free up, each slot released when it finishes -> tokens per request."""
-    got: dict[int, list[int]] = {}
-    owner: dict[int, int] = {}
-    waiting = list(enumerate(requests))
-    with reference_kernels():
-        for _ in range(500):  # bounded: every step commits at least one token per active slot
-            while waiting and batcher.free_slots:
-                k, request = waiting.pop(0)
-                slot, update = batcher.admit(request)
-                owner[slot], got[k] = k, []
-                if update is not None:  # one prefill chunk: the first token now (longer prompts: from step())
-                    got[k] += update.tokens
-                    if update.finished:
-                        batcher.release(slot)
-            if not waiting and not batcher.busy:
-                break
-            for update in batcher.step():
-                got[owner[update.slot]] += update.tokens
-                if update.finished:
-                    batcher.release(update.slot)
-    assert not batcher.busy and not waiting
-    return got
-
-
 def _requests(n: int, sampled_every: int = 2) -> list[SlotRequest]:
     g = torch.Generator().manual_seed(5)
     return [SlotRequest([ord(c) for c in prompt_text(i, int(torch.randint(1, 40, (1,), generator=g)))],
@@ -99,7 +60,7 @@ def test_inflight_batching_equals_single_sequence_generate(method: str) -> None:
     and select) through 3 slots, admitted as slots free up: each gets exactly what that method's own generate()
     gives its prompt alone (with its seed, for the sampled ones)."""
     requests = _requests(10)
-    got = _serve(_batcher(method, slots=3), requests)
+    got = serve_requests(make_batcher(method, slots=3), requests)
     for k, r in enumerate(requests):
         s = r.sampling
         want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, s.temperature, s.top_p, s.seed)
@@ -111,12 +72,12 @@ def test_seeded_requests_repeat_whatever_shares_the_batch(method: str) -> None:
     """All-sampled requests served twice, through 3 slots and then through 2 in another admission order, repeat
     exactly; another seed changes them."""
     requests = _requests(6, sampled_every=1)
-    first = _serve(_batcher(method, slots=3), requests)
-    again = _serve(_batcher(method, slots=2), requests[::-1])
+    first = serve_requests(make_batcher(method, slots=3), requests)
+    again = serve_requests(make_batcher(method, slots=2), requests[::-1])
     assert all(again[len(requests) - 1 - k] == tokens for k, tokens in first.items())
     reseeded = [SlotRequest(r.prompt, r.max_new_tokens, SamplingParams(0.9, 0.85, seed=r.sampling.seed + 1))
                 for r in requests]
-    assert _serve(_batcher(method, slots=3), reseeded) != first
+    assert serve_requests(make_batcher(method, slots=3), reseeded) != first
 
 
 def test_sampled_requests_with_a_draft_of_a_smaller_padded_vocabulary(tmp_path: Path) -> None:
@@ -131,7 +92,7 @@ def test_sampled_requests_with_a_draft_of_a_smaller_padded_vocabulary(tmp_path: 
     requests = [SlotRequest([ord(c) for c in prompt_text(i, 12 + i) if ord(c) < 200], 20,
                             SamplingParams(1.0, 0.95, seed=i)) for i in range(5)]
     for method in ("classic", "dustin-h"):
-        got = _serve(_batcher(method, slots=2, draft=small), requests)
+        got = serve_requests(make_batcher(method, slots=2, draft=small), requests)
         for k, r in enumerate(requests):
             assert max(got[k]) < 200
             want = direct_text(method, "".join(map(chr, r.prompt)), r.max_new_tokens, 1.0, 0.95, k, draft=small)
@@ -143,7 +104,7 @@ def test_long_prompt_is_prefilled_between_the_rounds_of_the_others(method: str) 
     """A prompt of 4 prefill chunks admitted while another request decodes: one chunk per step, the running request
     commits tokens in every one of those steps (it never waits for the whole prefill), and both get exactly what
     generate() gives each alone. A request cancelled while it prefills frees its slot for the next one."""
-    batcher = _batcher(method, slots=2)
+    batcher = make_batcher(method, slots=2)
     running = SlotRequest([ord(c) for c in prompt_text(0, 10)], 29)
     long = SlotRequest([ord(c) for c in prompt_text(1, 60)], 12)
 
@@ -186,7 +147,7 @@ def test_long_prompt_is_prefilled_between_the_rounds_of_the_others(method: str) 
 
 
 def test_admission_refuses_what_cannot_fit() -> None:
-    batcher = _batcher("classic", slots=1)
+    batcher = make_batcher("classic", slots=1)
     with pytest.raises(ValueError, match=r"--max-seq-len 96 is smaller than prompt 0 \(90 tokens\)"):
         batcher.admit(SlotRequest(list(range(2, 92)), 10))
     batcher.admit(SlotRequest([5, 6], 4))
@@ -202,29 +163,11 @@ def engine():
         eng.close()
 
 
-def _run(engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float = 120.0) -> list[list]:
-    chunks: list[list] = [[] for _ in requests]
-    done = [threading.Event() for _ in requests]
-
-    def collect(i: int):
-        def on_chunk(chunk) -> None:
-            chunks[i].append(chunk)
-            if chunk.final:
-                done[i].set()
-        return on_chunk
-
-    for i, r in enumerate(requests):
-        engine.submit(r, collect(i))
-    for event in done:
-        assert event.wait(timeout_s), "a request did not finish"
-    return chunks
-
-
 def test_engine_streaming_pieces_concatenate_to_the_direct_text(engine: ServingEngine) -> None:
     requests = [GenerationRequest(prompt_text(i, 12 + i), 20, temperature=0.7 * (i % 2), seed=i,
                                   method=("classic", "vanilla", "dustin-h")[i % 3], stream=i % 2 == 0)
                 for i in range(8)]
-    for r, chunks in zip(requests, _run(engine, requests), strict=True):
+    for r, chunks in zip(requests, run_requests(engine, requests), strict=True):
         assert all(c.error is None for c in chunks) and chunks[-1].final and not any(c.final for c in chunks[:-1])
         text = "".join(c.text for c in chunks)
         assert text == direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed)
@@ -246,7 +189,7 @@ def test_engine_serves_every_offered_method_exactly() -> None:
             requests = [GenerationRequest(prompt_text(i, 10 + 3 * (i % 20)), 14, temperature=0.8 * (i % 2), seed=i,
                                           method=method, stream=i % 2 == 0)
                         for i, method in enumerate(m for m in OFFERED_METHODS for _ in range(2))]
-            for r, chunks in zip(requests, _run(eng, requests), strict=True):
+            for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
                 assert all(c.error is None for c in chunks), (r.method, chunks[-1].error)
                 want = direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed)
                 assert "".join(c.text for c in chunks) == want, r.method
@@ -258,7 +201,7 @@ def test_engine_cuts_at_a_stop_string(engine: ServingEngine) -> None:
     text = prompt_text(3, 10)
     full = direct_text("vanilla", text, 30)
     stop = full[12:14]
-    [chunks] = _run(engine, [GenerationRequest(text, 30, stop=(stop,), method="vanilla", stream=True)])
+    [chunks] = run_requests(engine, [GenerationRequest(text, 30, stop=(stop,), method="vanilla", stream=True)])
     assert "".join(c.text for c in chunks) == full[: full.index(stop)]
 
 
@@ -303,7 +246,7 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_go_on(engine: Serving
         raise ConnectionResetError("the client closed the connection")
 
     engine.submit(GenerationRequest(prompt_text(42, 6), 60, method="classic", stream=True), failing)
-    [other] = _run(engine, [GenerationRequest(prompt_text(43, 7), 12, method="classic")])
+    [other] = run_requests(engine, [GenerationRequest(prompt_text(43, 7), 12, method="classic")])
     assert other[-1].error is None and other[-1].text == direct_text("classic", prompt_text(43, 7), 12)
     assert done.wait(60) and all(event.wait(60) for event in waiting_done)
     assert chunks[-1].final and chunks[-1].cancelled and chunks[-1].error == "the request was cancelled"
@@ -369,7 +312,7 @@ def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
         try:
             assert eng.batchers["classic"].decoder.drafter.cache.k.dtype == torch.float8_e4m3fn
             requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
-            for r, chunks in zip(requests, _run(eng, requests), strict=True):
+            for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
                 assert all(c.error is None for c in chunks)
                 assert "".join(c.text for c in chunks) == direct_text("classic", r.text, 16)
         finally:

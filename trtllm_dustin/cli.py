@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--max-batch", type=int, default=8, help="batch slots per method (in-flight batching)")
     repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
     repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
+    repo.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill forward")
+    repo.add_argument("--prefill-budget", type=int, default=None,
+                      help="prompt tokens prefilled per scheduler step over the waiting requests, oldest first, "
+                      "beside the running requests' decode round (default: one chunk per step)")
+    repo.add_argument("--prefix-cache-mib", type=int, default=0,
+                      help="MiB per method of prompt-prefix K/V kept for reuse by later prompts that start the same "
+                      "way (least recently used evicted); 0: no prefix caching")
+    repo.add_argument("--prefix-block", type=int, default=256,
+                      help="prefix caching's granularity: prompts share cached K/V in whole blocks of this many tokens")
     repo.add_argument("--device", default="cpu", help="cpu or cuda")
     repo.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
                       help="weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)")
@@ -766,7 +775,8 @@ def _triton_repo(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,
         use_cuda_graph=not args.no_cuda_graph, decoupled=not args.no_decoupled, weights_seed=args.seed,
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+        prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block)
     model_dir = write_model_repository(args.out, config, args.name)
     print(f"wrote {model_dir} (methods {', '.join(config.methods)}; default {config.method}; "
           f"{'decoupled' if config.decoupled else 'non-decoupled'})")
@@ -952,10 +962,13 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
                  for _, checkpoint, kv, copies in models)
     ks = [k for k in (_sparse_k(args, METHODS[m], dustin) for m in args.method) if k is not None]
     gather = _gather_bytes(target.config, args.max_batch, max(ks), args.gamma, dtype) if ks else 0
+    prefixes = len(args.method) * args.prefix_cache_mib * 2**20
     check_fits(f"the repository's model (weights {weights / 2**30:.2f} GiB + KV caches of {len(args.method)} "
                f"method(s) x {args.max_batch} x {args.max_seq_len} tokens {caches / 2**30:.2f} GiB"
-               + (f" + the sparse gather at k = {max(ks)} {gather / 2**30:.2f} GiB)" if ks else ")"),
-               weights + caches + gather, device, fix="lower --max-batch or --max-seq-len, or serve fewer --method")
+               + (f" + the sparse gather at k = {max(ks)} {gather / 2**30:.2f} GiB" if ks else "")
+               + (f" + prefix caches {prefixes / 2**30:.2f} GiB" if prefixes else "") + ")",
+               weights + caches + gather + prefixes, device,
+               fix="lower --max-batch, --max-seq-len or --prefix-cache-mib, or serve fewer --method")
 
     def absolute(spec: str | None) -> str | None:
         named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK)

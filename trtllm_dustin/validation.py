@@ -129,6 +129,8 @@ RANGES: dict[str, Range] = {
     "max_tokens": Range(1, 2**31 - 1, why="an INT32: Triton wraps a JSON number past 2147483647 around"),
     "prompt_tokens": _POSITIVE, "max_batch": _POSITIVE, "queue_size": _POSITIVE, "pp_size": _POSITIVE,
     "micro_batches": _POSITIVE, "pp_timeout": _SECONDS,
+    "prefill_chunk": _POSITIVE, "prefill_budget": _POSITIVE, "prefix_block": _POSITIVE,
+    "prefix_cache_mib": Range(0, why="0: no prefix caching"),
     "temperature": Range(0, real=True, why="0: greedy"),
     "top_p": Range(0, 1, real=True, open_low=True, why="the nucleus's probability mass; 1: no cut"),
     "seed": _SEED, "random_seed": _SEED,

@@ -78,7 +78,8 @@ class LongSparkDrafter:
         return sum(t.numel() * t.element_size() for t in (self.summary_o, self.summary_lse, self.boundary))
 
     # ---- what the round calls ----------------------------------------------------------------------------
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:  # no job
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0
+                ) -> None:  # no job
         """No cache of its own: it reads the target's."""
 
     @torch.inference_mode()

@@ -68,8 +68,8 @@ class ModelDrafter:
                       for step in range(gamma)]
 
     # ---- what the round calls ----------------------------------------------------------------------------
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> PrefillJob:
-        return PrefillJob(self.model, slot_range(self.cache, slots), self.backend, prompts, chunk)
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0) -> PrefillJob:
+        return PrefillJob(self.model, slot_range(self.cache, slots), self.backend, prompts, chunk, start=start)
 
     def on_prefill(self, view: PrefillView) -> None:
         self.view.on_prefill(view)

@@ -24,7 +24,8 @@ class NoDraft:
         self.tokens = torch.zeros(slots, 0, dtype=torch.long, device=device)
         self.probs = torch.zeros(slots, 0, vocab_size, dtype=torch.float32, device=device)
 
-    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int) -> None:  # no job
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0
+                ) -> None:  # no job
         """Nothing to prefill."""
 
     def on_prefill(self, view: PrefillView) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -17,9 +18,11 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
+from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving import ServingConfig
+from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
 
 WEIGHTS_SEED = 7
 MAX_SEQ_LEN = 96
@@ -76,3 +79,60 @@ def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.
     with reference_kernels():
         tokens = decoder.generate([[ord(c) for c in text]], config).tokens[0]
     return "".join(chr(t) for t in tokens)
+
+
+def make_batcher(method: str, slots: int, draft=None, prefill_chunk: int = 16, **batching) -> InflightBatcher:
+    """An in-flight batcher of the served tiny pair (fp32, CPU, reference backend); batching: InflightBatcher's
+    prefill_budget and prefix_cache."""
+    target, default_draft = _models()
+    draft = draft or default_draft
+    decoder = build_decoder(method, MethodSetup(
+        target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
+        backend=get_backend("reference"), draft=draft,
+        draft_cache=KVCache.allocate(draft.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"), gamma=SERVED.gamma,
+        draft_budget=SERVED.draft_budget, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
+    return InflightBatcher(decoder, EOS, prefill_chunk=prefill_chunk, **batching)
+
+
+def serve_requests(batcher: InflightBatcher, requests: list[SlotRequest]) -> dict[int, list[int]]:
+    """Requests admitted in order as slots free up, each slot released when it finishes -> tokens per request."""
+    got: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    waiting = list(enumerate(requests))
+    with reference_kernels():
+        for _ in range(500):  # bounded: every step commits at least one token per active slot
+            while waiting and batcher.free_slots:
+                k, request = waiting.pop(0)
+                slot, update = batcher.admit(request)
+                owner[slot], got[k] = k, []
+                if update is not None:  # one prefill chunk: the first token now (longer prompts: from step())
+                    got[k] += update.tokens
+                    if update.finished:
+                        batcher.release(slot)
+            if not waiting and not batcher.busy:
+                break
+            for update in batcher.step():
+                got[owner[update.slot]] += update.tokens
+                if update.finished:
+                    batcher.release(update.slot)
+    assert not batcher.busy and not waiting
+    return got
+
+
+def run_requests(engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float = 120.0) -> list[list]:
+    """Submit every request to the engine at once; wait for all; the chunks each got, in order."""
+    chunks: list[list] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def collect(i: int):
+        def on_chunk(chunk) -> None:
+            chunks[i].append(chunk)
+            if chunk.final:
+                done[i].set()
+        return on_chunk
+
+    for i, r in enumerate(requests):
+        engine.submit(r, collect(i))
+    for event in done:
+        assert event.wait(timeout_s), "a request did not finish"
+    return chunks

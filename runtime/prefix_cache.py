@@ -1,0 +1,128 @@
+"""Prefix caching: prompts that start with a prefix already prefilled reuse its K/V instead of computing it again.
+
+Long-context users send the same long document with different questions. The cache keeps the K/V of prompt
+prefixes in blocks of `block` tokens, keyed by a hash chain (block i's key digests block i - 1's key and block i's
+token ids, so equal keys mean equal token prefixes), for every cache a slot's prefill writes: the target's, and a
+model drafter's own (`SlotPrefill.caches`).
+
+    match(prompt)        the keys of the longest run of cached blocks the prompt starts with, leaving at least its
+                         last token to prefill (its forward gives the first token's logits and the last token's
+                         queries and hidden states that the drafter's and selector's prompt-time hooks read)
+    load(keys, caches)   copy those blocks into a slot's caches (device copies: no forward)
+    store(prompt, caches) after a slot's prefill completes, keep the blocks of its prompt not held yet
+
+Everything else a method keeps per prompt (Dustin's target history, Quest's and the in-pass pages, SnapKV's window
+scores, LongSpark's boundary state and summary) is computed by the prompt-time hooks from the cache and the last
+token's forward, which run as for a cold prefill: a prompt that reuses a prefix gets the state a cold prefill gives.
+
+Memory: at most `max_bytes` of blocks, least recently used evicted first. A chain's blocks are touched deepest first,
+so its root is the most recent and eviction takes the leaves of the least recently used chains before their roots
+(a block whose parent is gone could never be matched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from trtllm_dustin.kv_cache import KVCache
+
+__all__ = ["PrefixCache"]
+
+_ROOT = b"trtllm-dustin prefix v1"
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int, block: int = 256) -> None:
+        if block < 1:
+            raise ValueError(f"prefix cache block={block} must be >= 1 token")
+        if max_bytes < 0:
+            raise ValueError(f"prefix cache max_bytes={max_bytes} must be >= 0")
+        self.max_bytes, self.block = int(max_bytes), int(block)
+        # key -> one (k, v) pair per cache, each [num_layers, H_kv, block, D]
+        self._blocks: OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.nbytes = 0
+        self.reused_tokens = 0  # prompt tokens served from the cache (load)
+        self.stored_blocks = 0
+        self.evicted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self, prompt: Sequence[int]) -> list[bytes]:
+        """The hash chain of the prompt's full blocks."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        keys, key = [], _ROOT
+        for i in range(len(ids) // self.block):
+            key = hashlib.blake2b(key + ids[i * self.block:(i + 1) * self.block].tobytes(), digest_size=16).digest()
+            keys.append(key)
+        return keys
+
+    def match(self, prompt: Sequence[int]) -> list[bytes]:
+        """Keys of the cached blocks the prompt starts with (their tokens: len(keys) * block, always fewer than the
+        prompt's: its last token is prefilled), marked as just used."""
+        keys = self.keys(prompt[: len(prompt) - 1])
+        n = 0
+        while n < len(keys) and keys[n] in self._blocks:
+            n += 1
+        self._touch(keys[:n])
+        return keys[:n]
+
+    def load(self, keys: Sequence[bytes], caches: Sequence[KVCache]) -> int:
+        """Copy the blocks into positions [0, len(keys) * block) of single-slot caches; return that token count."""
+        for i, key in enumerate(keys):
+            entry = self._blocks[key]
+            if len(entry) != len(caches):
+                raise ValueError(f"the prefix cache holds {len(entry)} caches per block, {len(caches)} given")
+            rows = slice(i * self.block, (i + 1) * self.block)
+            for (k, v), cache in zip(entry, caches, strict=True):
+                _single(cache)
+                cache.k[:, 0, :, rows].copy_(k)
+                cache.v[:, 0, :, rows].copy_(v)
+        self.reused_tokens += len(keys) * self.block
+        return len(keys) * self.block
+
+    def store(self, prompt: Sequence[int], caches: Sequence[KVCache]) -> None:
+        """Keep the prompt's full blocks (positions [0, len(prompt)) of single-slot caches, just prefilled) that are
+        not held yet, evicting the least recently used blocks to stay within max_bytes."""
+        keys = self.keys(prompt)
+        self._touch(keys)  # the blocks held already are this chain's: the least recently used go first
+        mine = set(keys)
+        for i, key in enumerate(keys):
+            if key in self._blocks:
+                continue
+            rows = slice(i * self.block, (i + 1) * self.block)
+            size = sum(2 * _single(c).k[:, 0, :, rows].numel() * c.k.element_size() for c in caches)
+            while self.nbytes + size > self.max_bytes:
+                if not self._blocks or next(iter(self._blocks)) in mine:
+                    self._touch(keys)
+                    return  # only this chain's own blocks are left to evict: keep its prefix, drop its tail
+                self._evict()
+            self._blocks[key] = [(c.k[:, 0, :, rows].clone(), c.v[:, 0, :, rows].clone()) for c in caches]
+            self.nbytes += size
+            self.stored_blocks += 1
+        self._touch(keys)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.nbytes = 0
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        for key in reversed(keys):  # deepest first: the chain's root ends most recent
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def _evict(self) -> None:
+        _, entry = self._blocks.popitem(last=False)
+        self.nbytes -= sum(2 * k.numel() * k.element_size() for k, _ in entry)
+        self.evicted_blocks += 1
+
+
+def _single(cache: KVCache) -> KVCache:
+    if cache.batch_slots != 1:
+        raise ValueError(f"prefix cache copies take one slot's caches (slot_range), not {cache.batch_slots} slots")
+    return cache
