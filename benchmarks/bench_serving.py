@@ -53,7 +53,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def prompts(args: argparse.Namespace, count: int) -> list[str]:
     """Fixed prompts: random characters for tokenizer-less presets (character i is token i), the decoded windows of
-    an eval_tau .npz, or document prefixes of a corpus split."""
+    an eval_tau .npz, or document prefixes of a corpus split. --shared-prefix N: each one after the same N-token
+    document (random characters, or the first of the windows / documents), as users who ask about one long
+    document do."""
+    if args.shared_prefix:
+        shared = dict(vars(args), prompt_tokens=args.shared_prefix, shared_prefix=0)
+        document = prompts(argparse.Namespace(**shared), 1)[0]
+        own = prompts(argparse.Namespace(**dict(vars(args), shared_prefix=0)), count + 1)[1:]
+        return [document + text for text in own]
     if args.prompts == "random":
         return ["".join(chr(i) for i in ids) for ids in prompt_ids(args, count)]
     if args.prompts.endswith(".npz"):  # test-split token windows from eval_tau.py --save-prompts (no corpora needed)
@@ -87,6 +94,11 @@ def request_arrays(prompt: str | list[int], method: str | None, max_tokens: int)
 def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
     """The prompts as token ids: random ids in [2, 257) for tokenizer-less presets, or windows of an eval_tau .npz
     (test-split token windows, no corpora needed), evenly spaced over its documents."""
+    if args.shared_prefix:
+        document = prompt_ids(argparse.Namespace(**dict(vars(args), prompt_tokens=args.shared_prefix,
+                                                         shared_prefix=0)), 1)[0]
+        return [document + ids for ids in prompt_ids(argparse.Namespace(**dict(vars(args), shared_prefix=0)),
+                                                     count + 1)[1:]]
     if args.prompts == "random":
         rng = np.random.default_rng(0)
         return [rng.integers(2, 257, args.prompt_tokens).tolist() for _ in range(count)]
@@ -269,6 +281,14 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--prompts", default="random",
                    help="random, validation, test (corpora installed) or a .npz from eval_tau.py --save-prompts")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of one shared document before every prompt (0: none); --prompt-tokens is then each "
+                   "request's own part")
+    p.add_argument("--prefix-cache-mib", type=int, default=0, help="the served config's prefix cache (0: off)")
+    p.add_argument("--prefix-block", type=int, default=256, help="the served config's prefix-cache block")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="the served config's prompt tokens per scheduler step (default: one chunk)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="the served config's prefill chunk")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--device", default="cpu")
@@ -299,7 +319,9 @@ def main() -> None:
     texts = prompt_ids(args, max(args.clients, 8)) if args.token_ids else prompts(args, max(args.clients, 8))
     config = ServingConfig(model=args.model, draft=args.draft, methods=tuple(args.methods), dustin=dustin,
                            max_batch=args.max_batch, max_seq_len=args.max_seq_len or 2 * args.prompt_tokens +
-                           args.max_tokens + 16, queue_size=4 * args.clients, device=args.device)
+                           args.shared_prefix + args.max_tokens + 16, queue_size=4 * args.clients, device=args.device,
+                           prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+                           prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block)
     if args.token_ids and args.url is not None:
         raise SystemExit("--token-ids launches one server per method; it cannot use --url")
     results = []
@@ -310,6 +332,7 @@ def main() -> None:
     device = "h200" if args.device.startswith("cuda") else "cpu"
     save_json(args.out or RESULTS / f"serving_{device}.json",
               {**environment(), "config": json_safe(config), "prompt_tokens": args.prompt_tokens,
+               "shared_prefix_tokens": args.shared_prefix,
                "prompts": args.prompts, "max_tokens": args.max_tokens, "duration_s": args.duration,
                "prompt_inputs": "input_ids (one server per method)" if args.token_ids else "text_input",
                "results": results})
