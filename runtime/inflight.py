@@ -75,8 +75,12 @@ class InflightBatcher:
     def __init__(self, decoder: Decoder, eos_token_ids: tuple[int, ...] | list[int] = (), prefill_chunk: int = 2048,
                  prefill_budget: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
         """prefill_budget: prompt tokens prefilled per step at most, over the waiting admissions oldest first, in
-        chunks of at most prefill_chunk (at least one chunk runs; None: one chunk per step). prefix_cache: reuse the
-        K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every prompt is prefilled whole."""
+        chunks of at most prefill_chunk (at least one chunk runs). The prompts admitted since the last step count
+        against it too: one that would overrun it, or that finds older admissions still prefilling, is not
+        prefilled at admission but by the next steps. None: one
+        chunk per step, and every prompt of at most one chunk is prefilled at its admission (the budget does not
+        apply there). prefix_cache: reuse the K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every
+        prompt is prefilled whole."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 token")
         if prefill_budget is not None and prefill_budget < 1:
@@ -86,6 +90,8 @@ class InflightBatcher:
         self.device = decoder.device
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
+        self._admission_budget = prefill_budget is not None  # admissions count against the step's budget
+        self._used = 0  # prompt tokens prefilled since the last step's round (admissions, then the step's chunks)
         self.prefix_cache = prefix_cache
         slots = self.cache.batch_slots
         self._slots: list[_Slot | None] = [None] * slots
@@ -139,8 +145,10 @@ class InflightBatcher:
             torch.Generator(device=self.device).manual_seed(request.sampling.seed)
         self._admitted += 1
         self._slots[slot] = _Slot(request, generator, job, self._admitted)
-        if job.remaining > self.prefill_chunk:
-            return slot, None
+        if job.remaining > self.prefill_chunk or self._admission_budget and (
+                self._used and self._used + job.remaining > self.prefill_budget or self.prefilling != [slot]):
+            return slot, None  # prefilled by the next steps, oldest first (after any admitted before it)
+        self._used += job.remaining
         job.step()
         return slot, self._begin(slot)
 
@@ -181,7 +189,7 @@ class InflightBatcher:
         """Prefill chunks of the chunked admissions, oldest first, up to prefill_budget tokens (at least one chunk),
         then one round for every decoding slot; return the first token of each slot whose prefill completed and what
         each decoding slot committed."""
-        updates, used = [], 0
+        updates, used = [], self._used if self._admission_budget else 0
         while waiting := self.prefilling:
             slot = waiting[0]
             job = self._slots[slot].prefill
@@ -191,6 +199,7 @@ class InflightBatcher:
             used += cost
             if job.step():
                 updates.append(self._begin(slot))
+        self._used = 0  # the next admissions count toward the next step
         decoding = [i for i, s in enumerate(self._slots) if s is not None and s.prefill is None]
         if set(decoding) <= {u.slot for u in updates if u.finished}:  # none, or only slots that began and ended
             return updates

@@ -146,11 +146,12 @@ def test_a_request_cancelled_mid_prefill_leaves_nothing_behind(method: str) -> N
 
 def test_a_larger_prefill_budget_admits_queued_prompts_in_fewer_steps() -> None:
     """Two 60-token prompts wait while a request decodes: with one 16-token chunk per step they take 8 steps to
-    their first tokens; with a 64-token budget, 2 (the first prompt's 4 chunks, then the second's). Every step runs
-    the running request's round, and all three get the cold runs' tokens either way."""
+    their first tokens; with a 70-token budget, 2 (the running request's 10 prompt tokens, admitted since the last
+    step, and the first prompt's 4 chunks; then the second's); with 64, 3 (the first prompt's last chunk no longer
+    fits the first step). Every step runs the running request's round, and all three get the cold runs' tokens."""
     running = SlotRequest(_ids(prompt_text(0, 10)), 40)
     queued = [SlotRequest(_ids(prompt_text(1 + i, 60)), 8) for i in range(2)]
-    for budget, steps_to_first in ((None, 8), (64, 2)):
+    for budget, steps_to_first in ((None, 8), (70, 2), (64, 3)):
         batcher = make_batcher("classic", slots=3, prefill_budget=budget)
         with reference_kernels():
             slot_a, update = batcher.admit(running)
@@ -222,3 +223,28 @@ def test_serving_config_and_cli_check_the_scheduler_settings() -> None:
         make_batcher("vanilla", slots=1, prefill_budget=0)
     with pytest.raises(ValueError, match="block=0 must be >= 1 token"):
         PrefixCache(1, block=0)
+
+
+def test_admissions_count_against_an_explicit_budget() -> None:
+    """With --prefill-budget 24, four 10-token prompts admitted in one pass: the first two are prefilled at admission
+    (20 tokens), the third would overrun the budget and the fourth finds it waiting, so both wait; the next step has
+    no budget left for them (its round runs), the one after prefills both. All four get the cold runs' tokens."""
+    requests = [SlotRequest(_ids(prompt_text(120 + i, 10)), 6) for i in range(4)]
+    batcher = make_batcher("classic", slots=4, prefill_budget=24)
+    got: dict[int, list[int]] = {}
+    with reference_kernels():
+        admitted = [batcher.admit(r) for r in requests]
+        assert [u is not None for _, u in admitted] == [True, True, False, False]
+        for slot, update in admitted:
+            got[slot] = list(update.tokens) if update else []
+        firsts = []
+        while batcher.busy:
+            updates = batcher.step()
+            firsts.append(sorted(u.slot for u in updates if u.first))
+            for u in updates:
+                got[u.slot] += u.tokens
+                if u.finished:
+                    batcher.release(u.slot)
+    assert firsts[:2] == [[], [admitted[2][0], admitted[3][0]]]
+    for (slot, _), request in zip(admitted, requests, strict=True):
+        assert got[slot] == _cold("classic", request)
