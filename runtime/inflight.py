@@ -77,10 +77,10 @@ class InflightBatcher:
         """prefill_budget: prompt tokens prefilled per step at most, over the waiting admissions oldest first, in
         chunks of at most prefill_chunk (at least one chunk runs). The prompts admitted since the last step count
         against it too: one that would overrun it, or that finds older admissions still prefilling, is not
-        prefilled at admission but by the next steps. None: one
-        chunk per step, and every prompt of at most one chunk is prefilled at its admission (the budget does not
-        apply there). prefix_cache: reuse the K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every
-        prompt is prefilled whole."""
+        prefilled at admission but by the next steps. None: one chunk's worth of tokens per step, and every prompt
+        of at most one chunk is prefilled at its admission (the budget does not apply there).
+        prefix_cache: reuse the K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every prompt is
+        prefilled whole."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 token")
         if prefill_budget is not None and prefill_budget < 1:
