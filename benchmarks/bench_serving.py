@@ -57,10 +57,7 @@ def prompts(args: argparse.Namespace, count: int) -> list[str]:
     document (random characters, or the first of the windows / documents), as users who ask about one long
     document do."""
     if args.shared_prefix:
-        shared = dict(vars(args), prompt_tokens=args.shared_prefix, shared_prefix=0)
-        document = prompts(argparse.Namespace(**shared), 1)[0]
-        own = prompts(argparse.Namespace(**dict(vars(args), shared_prefix=0)), count + 1)[1:]
-        return [document + text for text in own]
+        return _after_shared_document(prompts, args, count)
     if args.prompts == "random":
         return ["".join(chr(i) for i in ids) for ids in prompt_ids(args, count)]
     if args.prompts.endswith(".npz"):  # test-split token windows from eval_tau.py --save-prompts (no corpora needed)
@@ -81,6 +78,16 @@ def prompts(args: argparse.Namespace, count: int) -> list[str]:
                      f"{args.prompt_tokens}; lower it")
 
 
+def _after_shared_document(make, args: argparse.Namespace, count: int) -> list:
+    """`count` prompts of `make` (prompts or prompt_ids), each after the same --shared-prefix-token document (the
+    first prompt `make` gives at that length; the requests' own parts skip it)."""
+    def without_prefix(**changes) -> argparse.Namespace:
+        return argparse.Namespace(**(vars(args) | {"shared_prefix": 0} | changes))
+
+    document = make(without_prefix(prompt_tokens=args.shared_prefix), 1)[0]
+    return [document + own for own in make(without_prefix(), count + 1)[1:]]
+
+
 def request_arrays(prompt: str | list[int], method: str | None, max_tokens: int) -> dict[str, np.ndarray]:
     """One streaming request's inputs: text_input, or input_ids for a token-id prompt; `method` only when named."""
     arrays = ({"input_ids": np.array([prompt], dtype=np.int32)} if isinstance(prompt, list)
@@ -95,10 +102,7 @@ def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
     """The prompts as token ids: random ids in [2, 257) for tokenizer-less presets, or windows of an eval_tau .npz
     (test-split token windows, no corpora needed), evenly spaced over its documents."""
     if args.shared_prefix:
-        document = prompt_ids(argparse.Namespace(**dict(vars(args), prompt_tokens=args.shared_prefix,
-                                                         shared_prefix=0)), 1)[0]
-        return [document + ids for ids in prompt_ids(argparse.Namespace(**dict(vars(args), shared_prefix=0)),
-                                                     count + 1)[1:]]
+        return _after_shared_document(prompt_ids, args, count)
     if args.prompts == "random":
         rng = np.random.default_rng(0)
         return [rng.integers(2, 257, args.prompt_tokens).tolist() for _ in range(count)]

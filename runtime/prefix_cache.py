@@ -74,35 +74,34 @@ class PrefixCache:
 
     def load(self, keys: Sequence[bytes], caches: Sequence[KVCache]) -> int:
         """Copy the blocks into positions [0, len(keys) * block) of single-slot caches; return that token count."""
+        _check_single(caches)
         for i, key in enumerate(keys):
             entry = self._blocks[key]
             if len(entry) != len(caches):
                 raise ValueError(f"the prefix cache holds {len(entry)} caches per block, {len(caches)} given")
-            rows = slice(i * self.block, (i + 1) * self.block)
-            for (k, v), cache in zip(entry, caches, strict=True):
-                _single(cache)
-                cache.k[:, 0, :, rows].copy_(k)
-                cache.v[:, 0, :, rows].copy_(v)
+            for (dst_k, dst_v), (k, v) in zip(_rows(caches, i * self.block, self.block), entry, strict=True):
+                dst_k.copy_(k)
+                dst_v.copy_(v)
         self.reused_tokens += len(keys) * self.block
         return len(keys) * self.block
 
     def store(self, prompt: Sequence[int], caches: Sequence[KVCache]) -> None:
         """Keep the prompt's full blocks (positions [0, len(prompt)) of single-slot caches, just prefilled) that are
         not held yet, evicting the least recently used blocks to stay within max_bytes."""
+        _check_single(caches)
         keys = self.keys(prompt)
         self._touch(keys)  # the blocks held already are this chain's: the least recently used go first
         mine = set(keys)
         for i, key in enumerate(keys):
             if key in self._blocks:
                 continue
-            rows = slice(i * self.block, (i + 1) * self.block)
-            size = sum(2 * _single(c).k[:, 0, :, rows].numel() * c.k.element_size() for c in caches)
-            while self.nbytes + size > self.max_bytes:
-                if not self._blocks or next(iter(self._blocks)) in mine:
-                    self._touch(keys)
-                    return  # only this chain's own blocks are left to evict: keep its prefix, drop its tail
+            views = _rows(caches, i * self.block, self.block)
+            size = _nbytes(views)
+            while self.nbytes + size > self.max_bytes and self._blocks and next(iter(self._blocks)) not in mine:
                 self._evict()
-            self._blocks[key] = [(c.k[:, 0, :, rows].clone(), c.v[:, 0, :, rows].clone()) for c in caches]
+            if self.nbytes + size > self.max_bytes:
+                break  # only this chain's own blocks are left to evict: keep its prefix, drop its tail
+            self._blocks[key] = [(k.clone(), v.clone()) for k, v in views]
             self.nbytes += size
             self.stored_blocks += 1
         self._touch(keys)
@@ -118,11 +117,21 @@ class PrefixCache:
 
     def _evict(self) -> None:
         _, entry = self._blocks.popitem(last=False)
-        self.nbytes -= sum(2 * k.numel() * k.element_size() for k, _ in entry)
+        self.nbytes -= _nbytes(entry)
         self.evicted_blocks += 1
 
 
-def _single(cache: KVCache) -> KVCache:
-    if cache.batch_slots != 1:
-        raise ValueError(f"prefix cache copies take one slot's caches (slot_range), not {cache.batch_slots} slots")
-    return cache
+def _check_single(caches: Sequence[KVCache]) -> None:
+    for cache in caches:
+        if cache.batch_slots != 1:
+            raise ValueError(f"prefix cache copies take one slot's caches (slot_range), not {cache.batch_slots} "
+                             "slots")
+
+
+def _rows(caches: Sequence[KVCache], start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Positions [start, start + n) of each single-slot cache: (k, v) views [num_layers, H_kv, n, D]."""
+    return [(c.k[:, 0, :, start:start + n], c.v[:, 0, :, start:start + n]) for c in caches]
+
+
+def _nbytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
