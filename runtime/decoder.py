@@ -32,7 +32,7 @@ from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_request
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
-from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for, slot_range
+from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for, slot_range, step_together
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Progress, RoundState
@@ -286,8 +286,8 @@ class SlotPrefill:
         n, dtype, device = len(prompts), decoder.target.embed.weight.dtype, decoder.device
         self.hidden = {layer: torch.zeros(n, decoder.target.config.hidden_size, dtype=dtype, device=device)
                        for layer in decoder.target_hidden_layers}
-        self.target = PrefillJob(decoder.target, slot_range(decoder.cache, slots), decoder.backend, prompts, chunk,
-                                 decoder.target_query_layers, hidden_out=self.hidden, start=start)
+        self.target = PrefillJob(decoder.target, decoder.cache, decoder.backend, prompts, chunk,
+                                 decoder.target_query_layers, hidden_out=self.hidden, start=start, slots=slots)
         self.draft = decoder.drafter.prefill(slots, prompts, chunk, start)  # None: the drafter keeps no cache
         self.logits: torch.Tensor | None = None
 
@@ -310,18 +310,27 @@ class SlotPrefill:
         """The caches this prefill writes, restricted to its slots: the target's, then the drafter's own if any."""
         return [self.target.view] + ([self.draft.view] if self.draft is not None else [])
 
-    @torch.inference_mode()
     def step(self) -> bool:
         """The next chunk in both caches; True once the prompts are complete and the slots ready to begin."""
-        if self.finished:
+        return SlotPrefill.step_together([self])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def step_together(prefills: Sequence[SlotPrefill]) -> list[bool]:
+        """The next chunk of several prefills of one decoder on adjacent slots (in slot order), one target forward
+        and one drafter forward for all of them (runtime/prefill.py: step_together); per prefill, whether it is
+        complete (its hooks then ran)."""
+        if any(p.finished for p in prefills):
             raise RuntimeError("this prefill has no chunk left")
-        complete = self.target.step()
-        if self.draft is not None and not self.draft.finished:
-            self.draft.step()  # the same chunk boundaries as the target's
-        if complete:
-            logits, queries = self.target.last_logits, self.target.last_queries
-            self.decoder.prefilled(self.slots, self.prompts, queries, self.hidden)
-            self.logits = self.decoder.shared_logits(logits)
+        complete = step_together([p.target for p in prefills])
+        drafts = [p.draft for p in prefills if p.draft is not None and not p.draft.finished]
+        if drafts:
+            step_together(drafts)  # the same chunk boundaries as the target's
+        for p, done in zip(prefills, complete, strict=True):
+            if done:
+                logits, queries = p.target.last_logits, p.target.last_queries
+                p.decoder.prefilled(p.slots, p.prompts, queries, p.hidden)
+                p.logits = p.decoder.shared_logits(logits)
         return complete
 
 

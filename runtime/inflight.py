@@ -1,19 +1,21 @@
 """In-flight batching: requests join and leave a Decoder's batch slots between rounds.
 
-    admit(request) -> slot     take a free slot; a prompt of at most `prefill_chunk` tokens (after the prefix the
-                               prefix cache gives, if any) is prefilled at once (its first token comes back), a
-                               longer one chunk by chunk inside the next steps
-    step()                     prefill chunks of the admitted prompts, oldest first, up to `prefill_budget` tokens,
-                               then one Decoder.round for every slot; a prompt whose last chunk ran begins and streams
-                               its first token
+    admit(request) -> slot     take a free slot; without a budget a prompt of at most `prefill_chunk` tokens (after
+                               the prefix the prefix cache gives, if any) is prefilled at once (its first token comes
+                               back); a longer one, and every one under a budget, chunk by chunk inside the next steps
+    step()                     prefill chunks of the admitted prompts, oldest first, up to `prefill_budget` tokens
+                               (the chunks of admissions on adjacent slots in one forward), then one Decoder.round
+                               for every slot; a prompt whose last chunk ran begins and streams its first token
     release(slot)              the slot runs along idle until the next admission
 
 Chunked admission under a token budget: a long prompt costs the running requests at most `prefill_budget` prompt
 tokens of prefill per step, not its whole prefill, so none of them stalls for longer than that (time to first token
 of the others and inter-token latency stay bounded); a larger budget admits queued prompts sooner at the cost of
-the running requests' inter-token latency. The admitted slots wait parked between their chunks (runtime/prefill.py),
-outside the round's commits. With a PrefixCache, a prompt that starts with a cached prefix copies its K/V into the
-slot and prefills only the rest (runtime/prefix_cache.py).
+the running requests' inter-token latency. Chunks of several admissions run as one ragged forward when their slots
+are adjacent (a burst of admissions takes consecutive free slots), so a budget of many chunks costs a few forwards
+rather than one per chunk (runtime/prefill.py: group_jobs). The admitted slots wait parked between their chunks
+(runtime/prefill.py), outside the round's commits. With a PrefixCache, a prompt that starts with a cached prefix
+copies its K/V into the slot and prefills only the rest (runtime/prefix_cache.py).
 
 The round is the decoder's own, the one `generate()` runs. Every slot carries its own sampling parameters, token
 limit and random generator (per-slot SlotSampling), so a request's tokens are those of `decoder.generate([prompt])`
@@ -31,6 +33,7 @@ import torch
 from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
+from trtllm_dustin.runtime.prefill import CHUNK_ROWS, group_jobs
 from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -75,10 +78,9 @@ class InflightBatcher:
     def __init__(self, decoder: Decoder, eos_token_ids: tuple[int, ...] | list[int] = (), prefill_chunk: int = 2048,
                  prefill_budget: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
         """prefill_budget: prompt tokens prefilled per step at most, over the waiting admissions oldest first, in
-        chunks of at most prefill_chunk (at least one chunk runs). The prompts admitted since the last step count
-        against it too: one that would overrun it, or that finds older admissions still prefilling, is not
-        prefilled at admission but by the next steps. None: one chunk's worth of tokens per step, and every prompt
-        of at most one chunk is prefilled at its admission (the budget does not apply there).
+        chunks of at most prefill_chunk (at least one chunk runs); every prompt is then prefilled by step(), none at
+        its admission, so a burst of admissions shares forwards. None: one chunk's worth of tokens per step, and
+        every prompt of at most one chunk is prefilled at its admission, alone (the budget does not apply there).
         prefix_cache: reuse the K/V of cached prompt prefixes (runtime/prefix_cache.py); None: every prompt is
         prefilled whole."""
         if prefill_chunk < 1:
@@ -90,8 +92,8 @@ class InflightBatcher:
         self.device = decoder.device
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
-        self._admission_budget = prefill_budget is not None  # admissions count against the step's budget
-        self._used = 0  # prompt tokens prefilled since the last step's round (admissions, then the step's chunks)
+        self._deferred = prefill_budget is not None  # every prompt is prefilled by step(), under the budget
+        self.prefill_rows = CHUNK_ROWS  # padded rows one batched prefill forward takes at most
         self.prefix_cache = prefix_cache
         slots = self.cache.batch_slots
         self._slots: list[_Slot | None] = [None] * slots
@@ -129,9 +131,9 @@ class InflightBatcher:
 
     @torch.inference_mode()
     def admit(self, request: SlotRequest) -> tuple[int, SlotUpdate | None]:
-        """Take a free slot for the request. A prompt of at most `prefill_chunk` tokens is prefilled now and its first
-        token returned; a longer one returns None and is prefilled one chunk per `step()`, whose update then carries
-        its first token (`SlotUpdate.first`)."""
+        """Take a free slot for the request. Without a prefill budget a prompt of at most `prefill_chunk` tokens is
+        prefilled now and its first token returned; a longer one, and every one under a budget, returns None and is
+        prefilled by the next `step()`s, whose update then carries its first token (`SlotUpdate.first`)."""
         self.check(request)
         if None not in self._slots:
             raise RuntimeError("no free batch slot; admit only when free_slots > 0")
@@ -145,10 +147,8 @@ class InflightBatcher:
             torch.Generator(device=self.device).manual_seed(request.sampling.seed)
         self._admitted += 1
         self._slots[slot] = _Slot(request, generator, job, self._admitted)
-        if job.remaining > self.prefill_chunk or self._admission_budget and (
-                self._used and self._used + job.remaining > self.prefill_budget or self.prefilling != [slot]):
-            return slot, None  # prefilled by the next steps, oldest first (after any admitted before it)
-        self._used += job.remaining
+        if self._deferred or job.remaining > self.prefill_chunk:
+            return slot, None  # prefilled by the next steps, oldest first, batched with the other admissions
         job.step()
         return slot, self._begin(slot)
 
@@ -189,17 +189,16 @@ class InflightBatcher:
         """Prefill chunks of the chunked admissions, oldest first, up to prefill_budget tokens (at least one chunk),
         then one round for every decoding slot; return the first token of each slot whose prefill completed and what
         each decoding slot committed."""
-        updates, used = [], self._used if self._admission_budget else 0
-        while waiting := self.prefilling:
-            slot = waiting[0]
-            job = self._slots[slot].prefill
-            cost = min(self.prefill_chunk, job.remaining)
-            if used and used + cost > self.prefill_budget:
-                break
-            used += cost
-            if job.step():
+        updates = []
+        plan = self._plan()  # (slot, chunks this step), oldest admission first
+        for wave in range(max((n for _, n in plan), default=0)):
+            # The wave-th chunk of every planned prefill: admissions on adjacent slots share one forward.
+            jobs = {self._slots[slot].prefill.target: slot for slot, n in plan if n > wave}
+            for group in group_jobs(list(jobs), self.prefill_rows):
+                SlotPrefill.step_together([self._slots[jobs[job]].prefill for job in group])
+        for slot, _ in plan:
+            if self._slots[slot].prefill.finished:
                 updates.append(self._begin(slot))
-        self._used = 0  # the next admissions count toward the next step
         decoding = [i for i, s in enumerate(self._slots) if s is not None and s.prefill is None]
         if set(decoding) <= {u.slot for u in updates if u.finished}:  # none, or only slots that began and ended
             return updates
@@ -218,3 +217,20 @@ class InflightBatcher:
             if took_part:
                 updates.append(SlotUpdate(i, tokens[:n], finished=not active, accepted=accepted))
         return updates
+
+    def _plan(self) -> list[tuple[int, int]]:
+        """The chunks this step prefills: the waiting admissions oldest first, each as many chunks as the budget
+        leaves (at least one chunk in all), stopping at the first that it cannot finish."""
+        plan, used = [], 0
+        for slot in self.prefilling:
+            left, chunks = self._slots[slot].prefill.remaining, 0
+            while left:
+                cost = min(self.prefill_chunk, left)
+                if used and used + cost > self.prefill_budget:
+                    break
+                used, left, chunks = used + cost, left - cost, chunks + 1
+            if chunks:
+                plan.append((slot, chunks))
+            if left:
+                break
+        return plan

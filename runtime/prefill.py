@@ -1,8 +1,10 @@
 """Chunked prefill of ragged prompts into consecutive slots of a static cache.
 
-All prompts start at position 0 and advance together chunk by chunk (`PrefillJob`), so activation memory is
-bounded by the chunk; a shorter prompt's padding writes K/V past its length, which nothing reads and decoding
-overwrites (the attention backend skips padding rows it is told of: AttentionMetadata.query_lens).
+A job's prompts start at the same position and advance together chunk by chunk (`PrefillJob`), so activation memory
+is bounded by the chunk; a shorter prompt's padding writes K/V past its length, which nothing reads and decoding
+overwrites (the attention backend skips padding rows it is told of: AttentionMetadata.query_lens). Jobs on
+adjacent slots of one cache can run their next chunks in one forward (`step_together`, grouped by `group_jobs`),
+each row at its own position: the in-flight batcher prefills several admissions that way.
 """
 
 from __future__ import annotations
@@ -10,18 +12,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 
-__all__ = ["PrefillJob", "prefill", "prefill_chunk_for", "slot_range"]
+__all__ = ["PrefillJob", "group_jobs", "prefill", "prefill_chunk_for", "slot_range", "step_together"]
 
 # Rows one prefill forward takes at most over the whole batch: 8K tokens per sequence ran closer to the attention +
 # GEMM bound than 2K on the H200 (benchmarks/dev/README.md); a 32K-row chunk's FFN activations take about 2 GB at
 # Llama-3.1-8B's width.
 CHUNK_ROWS = 32768
 MAX_CHUNK = 8192
+# Padded rows a batched prefill forward may carry beyond twice its real ones: a forward of this many rows costs
+# about what one of a few rows does (launch-bound), so padding them costs nothing.
+PAD_FREE_ROWS = 1024
 
 
 def prefill_chunk_for(batch: int) -> int:
@@ -51,7 +57,9 @@ class PrefillJob:
     @torch.inference_mode()
     def __init__(self, model: Transformer, cache: KVCache, backend: AttentionBackend,
                  prompts: Sequence[Sequence[int]], chunk: int = 2048, capture_layers: Sequence[int] = (),
-                 hidden_out: dict[int, torch.Tensor] | None = None, start: int = 0) -> None:
+                 hidden_out: dict[int, torch.Tensor] | None = None, start: int = 0, slots: slice | None = None
+                 ) -> None:
+        """slots: the consecutive slots of `cache` the prompts go to, one per prompt (None: 0 .. B-1)."""
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("prefill needs at least one prompt and no empty one")
         if chunk < 1:
@@ -62,7 +70,12 @@ class PrefillJob:
         B = len(prompts)
         if B > cache.batch_slots:
             raise ValueError(f"{B} prompts for {cache.batch_slots} cache slots")
+        first, stop, step = (slots or slice(0, B)).indices(cache.batch_slots)
+        if step != 1 or stop - first != B:
+            raise ValueError(f"slots {slots} must be {B} consecutive slots of the cache's {cache.batch_slots}, one "
+                             "per prompt")
         self.model, self.backend, self.chunk = model, backend, chunk
+        self.cache, self.first_slot = cache, first  # the whole cache: step_together spans adjacent jobs' slots
         self.capture_layers, self.hidden_out = tuple(capture_layers), hidden_out or {}
         device, config = cache.seqlens.device, model.config
         self.lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
@@ -70,7 +83,7 @@ class PrefillJob:
         self.tokens = torch.zeros(B, self.longest, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             self.tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        self.view = cache if B == cache.batch_slots else slot_range(cache, slice(0, B))
+        self.view = slot_range(cache, slice(first, stop))
         # Prompt positions written so far (the same for every prompt: they advance together). start > 0: the caller
         # has put the prompts' first `start` positions into the cache already (a reused prefix: prefix_cache.py).
         self.done = start
@@ -89,48 +102,129 @@ class PrefillJob:
         """Prompt positions (of the longest prompt) still to write."""
         return self.longest - self.done
 
-    @torch.inference_mode()
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def next_chunk(self) -> int:
+        """Positions the next step writes (of the longest prompt)."""
+        return min(self.chunk, self.remaining)
+
     def step(self) -> bool:
         """Write the next chunk; return whether the prompts are complete (their seqlens then set to their lengths)."""
-        if self.finished:
-            raise RuntimeError("this prefill has no chunk left")
-        model, view, lens, config = self.model, self.view, self.lens, self.model.config
-        B, device = self.tokens.shape[0], self.tokens.device
-        start, end = self.done, min(self.done + self.chunk, self.longest)
-        view.seqlens.fill_(start)
-        real = (lens - start).clamp(0, end - start).to(torch.int32)  # [B]: a shorter prompt's chunk is padded
-        meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=end, query_lens=real)
-        in_chunk = (lens - 1 - start).clamp(0, end - start - 1)  # [B]: each prompt's last token in this chunk
-        capture = None
-        if self.capture_layers or self.hidden_out:
-            capture = QueryCapture(self.capture_layers, {
-                layer: torch.empty(B, end - start, config.num_heads, config.head_dim, dtype=self.qdtype,
-                                   device=device) for layer in self.capture_layers},
-                {layer: torch.empty(B, end - start, config.hidden_size, dtype=self.qdtype, device=device)
-                 for layer in self.hidden_out})
-        logits = model(self.tokens[:, start:end], view, meta, self.backend, logit_index=in_chunk, capture=capture)
-        ends_here = ((lens - 1) >= start) & ((lens - 1) < end)  # [B]
-        self.last_logits = torch.where(ends_here[:, None], logits, self.last_logits)
-        if capture is not None:
-            rows = torch.arange(B, device=device)
-            for layer, q in capture.queries.items():
-                self.last_queries[layer] = torch.where(ends_here[:, None, None], q[rows, in_chunk],
-                                                       self.last_queries[layer])
-            for layer, h in capture.hidden.items():
-                self.hidden_out[layer].copy_(torch.where(ends_here[:, None], h[rows, in_chunk],
-                                                         self.hidden_out[layer]))
-        self.done = end
-        if self.finished:
-            view.seqlens.copy_(lens)
-        else:
-            view.seqlens.fill_(self.done + 1)  # parked between chunks (the class docstring says why)
-        return self.finished
+        return step_together([self])[0]
 
     def run(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Every remaining chunk; the last tokens' logits [B, V] and captured queries {layer: [B, H_q, D]}."""
         while not self.finished:
             self.step()
         return self.last_logits, self.last_queries
+
+
+def _position_limit(job: PrefillJob) -> int:
+    """Positions a forward of this job's model may write: the cache's length and the model's rotary table."""
+    return min(job.cache.max_seq_len, getattr(job.model, "max_positions", None) or job.cache.max_seq_len)
+
+
+def group_jobs(jobs: Sequence[PrefillJob], max_rows: int = CHUNK_ROWS, free_rows: int = PAD_FREE_ROWS
+               ) -> list[list[PrefillJob]]:
+    """Split jobs into groups that `step_together` can run as one forward each, in slot order: a group's slots are
+    one consecutive run, its padded rows (rows x longest next chunk) stay within max_rows (a single job always
+    fits) and within twice its real rows unless they are at most free_rows, and its padding stays inside the cache
+    and the model's positions."""
+    groups: list[list[PrefillJob]] = []
+    width = real = 0  # the current group's longest next chunk and its real rows
+    for job in sorted(jobs, key=lambda j: j.first_slot):
+        group = groups[-1] if groups else None
+        if group is not None:
+            last, t = group[-1], max(width, job.next_chunk)
+            rows = sum(j.rows for j in group) + job.rows
+            joins = (last.cache is job.cache and last.model is job.model and last.backend is job.backend
+                     and job.first_slot == last.first_slot + last.rows and rows * t <= max_rows
+                     and rows * t <= max(free_rows, 2 * (real + job.rows * job.next_chunk))
+                     and all(j.done + t <= _position_limit(j) for j in (*group, job)))
+            if joins:
+                group.append(job)
+                width, real = t, real + job.rows * job.next_chunk
+                continue
+        groups.append([job])
+        width, real = job.next_chunk, job.rows * job.next_chunk
+    return groups
+
+
+@torch.inference_mode()
+def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
+    """The next chunk of every job in one forward: jobs of one model, backend and cache on one run of consecutive
+    slots (each job's slots right after the previous one's), each row at its own job's position, every row padded
+    to the longest chunk (`group_jobs` makes such groups). Returns, per job, whether its prompts are complete."""
+    if not jobs:
+        raise ValueError("step_together needs at least one prefill job")
+    first = jobs[0]
+    model, backend, cache = first.model, first.backend, first.cache
+    for prev, job in zip(jobs, jobs[1:], strict=False):
+        if job.cache is not cache or job.model is not model or job.backend is not backend:
+            raise ValueError("prefill jobs run together must share their model, backend and cache")
+        if job.first_slot != prev.first_slot + prev.rows:
+            raise ValueError(f"prefill jobs run together must sit on adjacent slots: slots from {prev.first_slot} "
+                             f"({prev.rows}) then {job.first_slot}")
+        if job.capture_layers != first.capture_layers or job.hidden_out.keys() != first.hidden_out.keys():
+            raise ValueError("prefill jobs run together must capture the same layers")
+    if any(job.finished for job in jobs):
+        raise RuntimeError("this prefill has no chunk left")
+    T = max(job.next_chunk for job in jobs)
+    over = [job.first_slot for job in jobs if job.done + T > _position_limit(job)]
+    if over:
+        raise ValueError(f"a {T}-token chunk padded from the jobs' positions would pass the cache or the model's "
+                         f"positions at slots {over}; run those jobs alone")
+    device, config = cache.seqlens.device, model.config
+    starts = [job.done for job in jobs]
+    ends = [min(job.done + job.chunk, job.longest) for job in jobs]
+    rows = [job.rows for job in jobs]
+    B = sum(rows)
+    view = slot_range(cache, slice(first.first_slot, first.first_slot + B))
+
+    def per_row(values: list[int]) -> torch.Tensor:  # host ints -> [B] on the device, without a host sync
+        host = torch.tensor([v for v, n in zip(values, rows, strict=True) for _ in range(n)], dtype=torch.int32)
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+    start_rows, end_rows = per_row(starts), per_row(ends)
+    lens = torch.cat([job.lens for job in jobs]) if len(jobs) > 1 else first.lens
+    if len(jobs) == 1:
+        tokens = first.tokens[:, starts[0]: ends[0]]
+    else:  # each job's chunk, padded to T
+        tokens = torch.cat([F.pad(job.tokens[:, s: s + T], (0, max(0, s + T - job.longest)))
+                            for job, s in zip(jobs, starts, strict=True)])
+    view.seqlens.copy_(start_rows)
+    real = torch.minimum((lens - start_rows).clamp_min(0), end_rows - start_rows).to(torch.int32)  # [B]: padded
+    meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=max(starts) + T, query_lens=real)
+    in_chunk = torch.minimum((lens - 1 - start_rows).clamp_min(0), end_rows - start_rows - 1)  # each last token
+    capture, qdtype = None, first.qdtype
+    if first.capture_layers or first.hidden_out:
+        capture = QueryCapture(first.capture_layers, {
+            layer: torch.empty(B, T, config.num_heads, config.head_dim, dtype=qdtype, device=device)
+            for layer in first.capture_layers},
+            {layer: torch.empty(B, T, config.hidden_size, dtype=qdtype, device=device) for layer in first.hidden_out})
+    logits = model(tokens, view, meta, backend, logit_index=in_chunk.long(), capture=capture)
+    ends_here = ((lens - 1) >= start_rows) & ((lens - 1) < end_rows)  # [B]
+    all_rows = torch.arange(B, device=device)
+    row = 0
+    for job, n in zip(jobs, rows, strict=True):
+        mine, here = slice(row, row + n), ends_here[row: row + n]
+        job.last_logits = torch.where(here[:, None], logits[mine], job.last_logits)
+        if capture is not None:
+            picked = all_rows[mine], in_chunk[mine].long()
+            for layer, q in capture.queries.items():
+                job.last_queries[layer] = torch.where(here[:, None, None], q[picked], job.last_queries[layer])
+            for layer, h in capture.hidden.items():
+                job.hidden_out[layer].copy_(torch.where(here[:, None], h[picked], job.hidden_out[layer]))
+        row += n
+    for job, end in zip(jobs, ends, strict=True):
+        job.done = end
+    # Complete jobs take their lengths; the others wait parked between chunks (PrefillJob's docstring says why).
+    parked = per_row([job.longest if job.finished else job.done + 1 for job in jobs])
+    view.seqlens.copy_(torch.where(per_row([int(job.finished) for job in jobs]).bool(), lens, parked))
+    return [job.finished for job in jobs]
 
 
 def prefill(model: Transformer, cache: KVCache, backend: AttentionBackend, prompts: Sequence[Sequence[int]],

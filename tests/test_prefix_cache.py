@@ -105,6 +105,30 @@ def test_a_cached_prefix_gives_the_cold_runs_tokens(method: str) -> None:
         assert got[k] == _cold(method, request), f"request {k} ({request.sampling})"
 
 
+@pytest.mark.parametrize("method", OFFERED_METHODS)
+def test_admissions_prefilled_together_give_the_cold_runs_tokens(method: str) -> None:
+    """Under a 160-token budget, 6 requests through 3 slots, admitted as slots free up: the waiting admissions'
+    chunks share forwards (some target prefill forward carries 3 prompts), the later requests reuse the document's
+    blocks, and every request, greedy or seeded-sampled, gets exactly its cold run's tokens."""
+    cache = PrefixCache(1 << 20, block=BLOCK)
+    requests = _document_requests(4) + [SlotRequest(_ids(prompt_text(130 + i, 30 + 7 * i)), 9) for i in range(2)]
+    batcher = make_batcher(method, slots=3, prefix_cache=cache, prefill_budget=160)
+    rows: list[int] = []
+
+    def hook(module, args):
+        if args[0].shape[1] > batcher.gamma + 1:  # a prefill chunk, not a round's Γ + 1 tokens
+            rows.append(args[0].shape[0])
+
+    handle = batcher.decoder.target.register_forward_pre_hook(hook)
+    try:
+        got = serve_requests(batcher, requests)
+    finally:
+        handle.remove()
+    assert max(rows) == 3 and cache.reused_tokens >= 40
+    for k, request in enumerate(requests):
+        assert got[k] == _cold(method, request), f"request {k} ({request.sampling})"
+
+
 @pytest.mark.parametrize("method", ["classic", "dustin-h"])
 def test_eviction_under_memory_pressure_while_serving_stays_exact(method: str) -> None:
     """A limit of 6 blocks while 6 requests on two documents (5 and 4 blocks) come in the order A A B A B B: B's
@@ -146,8 +170,8 @@ def test_a_request_cancelled_mid_prefill_leaves_nothing_behind(method: str) -> N
 
 def test_a_larger_prefill_budget_admits_queued_prompts_in_fewer_steps() -> None:
     """Two 60-token prompts wait while a request decodes: with one 16-token chunk per step they take 8 steps to
-    their first tokens; with a 70-token budget, 2 (the running request's 10 prompt tokens, admitted since the last
-    step, and the first prompt's 4 chunks; then the second's); with 64, 3 (the first prompt's last chunk no longer
+    their first tokens; with a 70-token budget, 2 (the running request's 10 prompt tokens, prefilled by the first
+    step with the first prompt's 4 chunks; then the second's); with 64, 3 (the first prompt's last chunk no longer
     fits the first step). Every step runs the running request's round, and all three get the cold runs' tokens."""
     running = SlotRequest(_ids(prompt_text(0, 10)), 40)
     queued = [SlotRequest(_ids(prompt_text(1 + i, 60)), 8) for i in range(2)]
@@ -155,7 +179,8 @@ def test_a_larger_prefill_budget_admits_queued_prompts_in_fewer_steps() -> None:
         batcher = make_batcher("classic", slots=3, prefill_budget=budget)
         with reference_kernels():
             slot_a, update = batcher.admit(running)
-            got = {slot_a: list(update.tokens)}
+            assert (update is None) == (budget is not None)  # under a budget every prompt waits for step()
+            got = {slot_a: list(update.tokens) if update else []}
             for request in queued:
                 slot, update = batcher.admit(request)
                 assert update is None
@@ -163,7 +188,7 @@ def test_a_larger_prefill_budget_admits_queued_prompts_in_fewer_steps() -> None:
             steps = 0
             while any(not got[s] for s in got):
                 steps += 1
-                a_done = len(got[slot_a]) >= running.max_new_tokens or got[slot_a][-1] in EOS
+                a_done = bool(got[slot_a]) and (len(got[slot_a]) >= running.max_new_tokens or got[slot_a][-1] in EOS)
                 updates = batcher.step()
                 assert a_done or any(u.slot == slot_a and u.tokens for u in updates), f"budget {budget}: step {steps}"
                 for u in updates:
@@ -225,26 +250,43 @@ def test_serving_config_and_cli_check_the_scheduler_settings() -> None:
         PrefixCache(1, block=0)
 
 
-def test_admissions_count_against_an_explicit_budget() -> None:
-    """With --prefill-budget 24, four 10-token prompts admitted in one pass: the first two are prefilled at admission
-    (20 tokens), the third would overrun the budget and the fourth finds it waiting, so both wait; the next step has
-    no budget left for them (its round runs), the one after prefills both. All four get the cold runs' tokens."""
+def test_under_an_explicit_budget_admissions_wait_for_the_step_and_share_its_forwards() -> None:
+    """With --prefill-budget 24, four 10-token prompts admitted in one pass: none is prefilled at admission; the first
+    step prefills the first two (20 tokens) in one target forward and one draft forward, the third would overrun the
+    budget; the second step prefills the other two the same way. All four get the cold runs' tokens."""
     requests = [SlotRequest(_ids(prompt_text(120 + i, 10)), 6) for i in range(4)]
     batcher = make_batcher("classic", slots=4, prefill_budget=24)
+    rows: dict[str, list[int]] = {"target": [], "draft": []}  # the prompts in each prefill forward
+
+    def count(name):
+        def hook(module, args):
+            tokens = args[0]  # [B, T]: a prefill chunk is longer than a round's Γ + 1 tokens
+            if tokens.shape[1] > batcher.gamma + 1:
+                rows[name].append(tokens.shape[0])
+        return hook
+
+    drafter_model = batcher.decoder.drafter.model
+    handles = [batcher.decoder.target.register_forward_pre_hook(count("target")),
+               drafter_model.register_forward_pre_hook(count("draft"))]
     got: dict[int, list[int]] = {}
-    with reference_kernels():
-        admitted = [batcher.admit(r) for r in requests]
-        assert [u is not None for _, u in admitted] == [True, True, False, False]
-        for slot, update in admitted:
-            got[slot] = list(update.tokens) if update else []
-        firsts = []
-        while batcher.busy:
-            updates = batcher.step()
-            firsts.append(sorted(u.slot for u in updates if u.first))
-            for u in updates:
-                got[u.slot] += u.tokens
-                if u.finished:
-                    batcher.release(u.slot)
-    assert firsts[:2] == [[], [admitted[2][0], admitted[3][0]]]
-    for (slot, _), request in zip(admitted, requests, strict=True):
+    try:
+        with reference_kernels():
+            admitted = [batcher.admit(r) for r in requests]
+            assert [u for _, u in admitted] == [None] * 4
+            got = {slot: [] for slot, _ in admitted}
+            firsts = []
+            while batcher.busy:
+                updates = batcher.step()
+                firsts.append(sorted(u.slot for u in updates if u.first))
+                for u in updates:
+                    got[u.slot] += u.tokens
+                    if u.finished:
+                        batcher.release(u.slot)
+    finally:
+        for handle in handles:
+            handle.remove()
+    slots = [slot for slot, _ in admitted]
+    assert firsts[:2] == [slots[:2], slots[2:]]
+    assert rows == {"target": [2, 2], "draft": [2, 2]}  # two prefill forwards of each model, two prompts each
+    for slot, request in zip(slots, requests, strict=True):
         assert got[slot] == _cold("classic", request)

@@ -69,7 +69,7 @@ class ModelDrafter:
 
     # ---- what the round calls ----------------------------------------------------------------------------
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0) -> PrefillJob:
-        return PrefillJob(self.model, slot_range(self.cache, slots), self.backend, prompts, chunk, start=start)
+        return PrefillJob(self.model, self.cache, self.backend, prompts, chunk, start=start, slots=slots)
 
     def on_prefill(self, view: PrefillView) -> None:
         self.view.on_prefill(view)
