@@ -38,6 +38,7 @@ from common import RESULTS, environment, save_json
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.serving import ServingConfig, write_model_repository
 from trtllm_dustin.serving.launch import TritonServer, prepare_pytriton_server
+from trtllm_dustin.validation import DEFAULT_PREFILL_BUDGET
 
 # The tiny presets' shapes; a stand-in where no searched config exists (it sets the estimator's cost, not quality).
 TINY_DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),),
@@ -198,7 +199,8 @@ def mixed_load(args: argparse.Namespace, chunk: int) -> dict:
     rng = np.random.default_rng(0)
     config = ServingConfig(model=args.model, methods=tuple(args.methods[:1]), max_batch=args.clients,
                            max_seq_len=max(longs) + max(args.long_max_tokens, args.max_tokens) + 16,
-                           queue_size=4 * args.clients, device=args.device, prefill_chunk=chunk)
+                           queue_size=4 * args.clients, device=args.device, prefill_chunk=chunk,
+                           prefill_budget=args.prefill_budget)
     engine = ServingEngine.from_config(config)
     vocab = engine.vocab_size or 256
     record = {"ttft_ms": {n: [] for n in longs}, "itl_ms": [], "background_tokens": 0}
@@ -290,8 +292,9 @@ def main() -> None:
                    "request's own part")
     p.add_argument("--prefix-cache-mib", type=int, default=0, help="the served config's prefix cache (0: off)")
     p.add_argument("--prefix-block", type=int, default=256, help="the served config's prefix-cache block")
-    p.add_argument("--prefill-budget", type=int, default=None,
-                   help="the served config's prompt tokens per scheduler step (default: one chunk)")
+    p.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET,
+                   help="the served config's prompt tokens per scheduler step (0: one chunk per step, the scheduler "
+                   "before batched prefill)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="the served config's prefill chunk")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=None)

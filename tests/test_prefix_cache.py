@@ -240,8 +240,8 @@ def test_sixty_four_clients_on_shared_documents_through_the_engine() -> None:
 def test_serving_config_and_cli_check_the_scheduler_settings() -> None:
     with pytest.raises(ConfigError, match="prefix_cache_mib=-1 must be >= 0"):
         SERVED.with_(prefix_cache_mib=-1)
-    with pytest.raises(ConfigError, match="prefill_budget=0 must be >= 1"):
-        SERVED.with_(prefill_budget=0)
+    with pytest.raises(ConfigError, match="prefill_budget=-1 must be >= 1, or 0 for one chunk per step"):
+        SERVED.with_(prefill_budget=-1)
     with pytest.raises(ConfigError, match="prefix_block=0 must be >= 1"):
         SERVED.with_(prefix_block=0)
     with pytest.raises(ValueError, match="prefill_budget=0 must be >= 1 token"):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from trtllm_dustin.validation import (
+    DEFAULT_PREFILL_BUDGET,
     MAX_GAMMA,
     RANGES,
     InputError,
@@ -211,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length: prompt + max_tokens (+ gamma)")
     repo.add_argument("--queue-size", type=int, default=64, help="requests waiting for a slot before refusing more")
     repo.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill forward")
-    repo.add_argument("--prefill-budget", type=int, default=None,
-                      help="prompt tokens prefilled per scheduler step over the waiting requests, oldest first, "
-                      "beside the running requests' decode round (default: one chunk per step)")
+    repo.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET,
+                      help="prompt tokens prefilled per scheduler step over the waiting requests, oldest first, the "
+                      "chunks of several in one forward, beside the running requests' decode round (0: one chunk "
+                      "per step, a prompt of one chunk prefilled alone at its admission)")
     repo.add_argument("--prefix-cache-mib", type=int, default=0,
                       help="MiB per method of prompt-prefix K/V kept for reuse by later prompts that start the same "
                       "way (least recently used evicted); 0: no prefix caching")

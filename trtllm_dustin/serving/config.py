@@ -10,9 +10,9 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
-from trtllm_dustin.validation import load_versioned, versioned_json
+from trtllm_dustin.validation import DEFAULT_PREFILL_BUDGET, load_versioned, versioned_json
 
-__all__ = ["SERVING_SCHEMA_VERSION", "ServingConfig"]
+__all__ = ["DEFAULT_PREFILL_BUDGET", "SERVING_SCHEMA_VERSION", "ServingConfig"]
 
 SERVING_SCHEMA_VERSION = 1
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -40,8 +40,9 @@ class ServingConfig:
     draft_kv_cache: str = "model"  # the draft's KV cache: "model" (its dtype) or "fp8" (e4m3, half the reads)
     use_cuda_graph: bool = True  # replay captured decode phases on cuda
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
-    prefill_budget: int | None = None  # prompt tokens prefilled per scheduler step, over the waiting requests oldest
-    # first, beside the decode round of the running ones; None = one chunk per step
+    prefill_budget: int | None = DEFAULT_PREFILL_BUDGET  # prompt tokens prefilled per scheduler step, over the
+    # waiting requests oldest first (the chunks of several in one forward), beside the decode round of the running
+    # ones; 0 (or null) = one chunk per step, and a prompt of one chunk prefilled alone at its admission
     prefix_cache_mib: int = 0  # per method: K/V of prompt prefixes kept for reuse (LRU); 0 = no prefix caching
     prefix_block: int = 256  # prefix caching's granularity: prompts share cached K/V in whole blocks of this many
     decoupled: bool = True  # Triton's decoupled transaction policy: streaming and in-flight batching
@@ -84,8 +85,8 @@ class ServingConfig:
         for name in ("max_batch", "max_seq_len", "queue_size", "gamma", "prefill_chunk", "prefix_block"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.prefill_budget is not None and self.prefill_budget < 1:
-            raise ConfigError(f"prefill_budget={self.prefill_budget} must be >= 1 (or null: one chunk per step)")
+        if self.prefill_budget is not None and self.prefill_budget < 0:
+            raise ConfigError(f"prefill_budget={self.prefill_budget} must be >= 1, or 0 for one chunk per step")
         if self.prefix_cache_mib < 0:
             raise ConfigError(f"prefix_cache_mib={self.prefix_cache_mib} must be >= 0 (0: no prefix caching)")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -144,7 +144,7 @@ class ServingEngine:
             return PrefixCache(mib * 2**20, config.prefix_block) if mib else None
 
         batchers = {method: InflightBatcher(decoder, served.eos_token_ids, config.prefill_chunk,
-                                            config.prefill_budget, prefix_cache())
+                                            config.prefill_budget or None, prefix_cache())
                     for method, decoder in served.decoders.items()}
         engine = cls(config, batchers, served.codec, served.vocab_size)
         if served.device.type == "cuda":
