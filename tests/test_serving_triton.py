@@ -199,9 +199,11 @@ def test_malformed_requests_get_a_clear_error_and_the_server_keeps_serving(serve
 def test_a_full_queue_is_refused_clearly(server) -> None:
     errors, texts = [], []
     lock = threading.Lock()
+    together = threading.Barrier(8)  # all eight at once: one runs, one waits, the rest find the queue full
 
     def one(i: int) -> None:
         try:
+            together.wait(TIMEOUT_S)
             text = "".join(_text(r) for r in stream(server, "hello", 40, model="dustin_tiny_queue"))
             with lock:
                 texts.append(text)

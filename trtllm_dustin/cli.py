@@ -267,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-windows", type=int, default=None, help="stop after this many windows; None: all")
     prep.set_defaults(func=_prepare_distill_data)
 
+    regen = sub.add_parser("regenerate-data", help="training windows whose tails the target wrote: each window's "
+                           "first --context tokens, then --new tokens sampled from the frozen target (GPU "
+                           "recommended; resumable: rerun the same command)", formatter_class=DefaultsHelp)
+    regen.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data")
+    regen.add_argument("--out", type=Path, required=True,
+                       help="output .npy ([windows, context + new], the input's dtype); OUT.json: its record")
+    regen.add_argument("--context", type=int, default=None,
+                       help="tokens of each window kept as the prompt; None: the window's length - --new")
+    regen.add_argument("--new", type=int, default=512, help="tokens the target writes after them")
+    regen.add_argument("--temperature", type=float, default=0.7, help="the target's sampling temperature")
+    regen.add_argument("--top-p", type=float, default=0.8, help="the target's nucleus")
+    regen.add_argument("--batch-size", type=int, default=8, help="windows generated together")
+    regen.add_argument("--seed", type=int, default=0, help="batch b samples from seed + b")
+    regen.add_argument("--max-windows", type=int, default=None, help="the first this many windows; None: all")
+    regen.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
+    regen.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
+    regen.set_defaults(func=_regenerate_data)
+
     train = sub.add_parser("train-draft", help="distil a draft from the target (GPU recommended)",
                            formatter_class=DefaultsHelp)
     train.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data")
@@ -307,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("seed", "initialisation, data order and anchors")):
         spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
     spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
+    spark.add_argument("--position-decay", type=float, default=defaults.position_decay,
+                       help="draft slot g's loss weighted by this ** g (acceptance is a prefix product); 1: alike")
     spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
     spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
                        "None: at --steps")
@@ -321,6 +341,30 @@ def _prepare_distill_data(args: argparse.Namespace) -> int:
     tokenizer = open_model(None).tokenizer  # the default's tokenizer; its weights are not needed
     summary = prepare_tokens(tokenizer, args.out, args.seq_len, max_windows=args.max_windows)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _regenerate_data(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.training.regenerate import RegenerateConfig, regenerate_tokens
+
+    context = args.context
+    if context is None:
+        if not args.tokens.is_file():
+            raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin "
+                              f"prepare-distill-data --out {args.tokens}`")
+        length = np.load(args.tokens, mmap_mode="r").shape[-1]
+        if length <= args.new:
+            raise ConfigError(f"--new {args.new} leaves no context in {args.tokens}'s {length}-token windows; lower "
+                              "--new or pass --context")
+        context = length - args.new
+    cfg = RegenerateConfig(context=context, new=args.new, temperature=args.temperature, top_p=args.top_p,
+                           batch_size=args.batch_size, seed=args.seed, max_windows=args.max_windows)
+    record = regenerate_tokens(args.tokens, args.out, cfg, target_spec=args.target,
+                               device=args.device or _default_device())
+    print(json.dumps(record, indent=2))
     return 0
 
 
@@ -350,7 +394,7 @@ def _train_longspark(args: argparse.Namespace) -> int:
     cfg = LongSparkTrainConfig(target_layers=layers, window=args.window, summary=args.summary, block=args.block,
                                lora_rank=args.lora_rank, seq_len=args.seq_len, batch_size=args.batch_size,
                                anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
-                               warmup=min(100, args.steps // 10))
+                               warmup=min(100, args.steps // 10), position_decay=args.position_decay)
     cfg.drafter("")  # the drafter's own checks, before the target loads
     record = train_longspark(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                              max_seconds=args.max_seconds)

