@@ -32,7 +32,7 @@ from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_request
 from trtllm_dustin.runtime.phase_timer import PhaseTimer
-from trtllm_dustin.runtime.prefill import PrefillJob, prefill_chunk_for, slot_range, step_together
+from trtllm_dustin.runtime.prefill import PrefillJob, group_jobs, prefill_chunk_for, slot_range, step_together
 from trtllm_dustin.runtime.sampling import SlotSampling
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Progress, RoundState
@@ -324,8 +324,8 @@ class SlotPrefill:
             raise RuntimeError("this prefill has no chunk left")
         complete = step_together([p.target for p in prefills])
         drafts = [p.draft for p in prefills if p.draft is not None and not p.draft.finished]
-        if drafts:
-            step_together(drafts)  # the same chunk boundaries as the target's
+        for group in group_jobs(drafts):  # the same chunk boundaries as the target's; the draft's own cache limits
+            step_together(group)
         for p, done in zip(prefills, complete, strict=True):
             if done:
                 logits, queries = p.target.last_logits, p.target.last_queries
