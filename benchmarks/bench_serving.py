@@ -27,6 +27,7 @@ import argparse
 import gc
 import queue
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -116,8 +117,12 @@ def prompt_ids(args: argparse.Namespace, count: int) -> list[list[int]]:
     ids = [tokens[: n].tolist() for _, tokens in docs if len(tokens) >= n]
     if len(ids) < count:  # more clients than long documents: later disjoint windows of the long ones too
         ids += [tokens[start: start + n].tolist() for _, tokens in docs for start in range(n, len(tokens) - n + 1, n)]
-    if len(ids) < count:
-        raise SystemExit(f"only {len(ids)} windows of {n} tokens in {args.prompts}; lower --prompt-tokens")
+    if not ids:
+        raise SystemExit(f"no window of {n} tokens in {args.prompts}; lower --prompt-tokens")
+    if len(ids) < count:  # still short: clients share windows (no prefix cache in play unless asked for)
+        print(f"only {len(ids)} windows of {n} tokens in {args.prompts}: {count} clients reuse them in turn",
+              file=sys.stderr)
+        ids = [ids[i % len(ids)] for i in range(count)]
     return ids[:: max(1, len(ids) // count)][:count]
 
 
