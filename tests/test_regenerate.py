@@ -124,3 +124,16 @@ def test_the_loss_weighs_slot_g_by_position_decay_to_the_g(monkeypatch: pytest.M
     assert not torch.allclose(want, kl.mean())
     with pytest.raises(ConfigError, match="position_decay=0 must be in"):
         training.LongSparkTrainConfig(position_decay=0)
+
+
+def test_anchors_start_where_asked_and_keep_their_stride() -> None:
+    from trtllm_dustin.training.longspark import LongSparkTrainConfig, anchor_positions
+
+    whole = LongSparkTrainConfig(seq_len=64, block=4, anchor_stride=8)
+    assert anchor_positions(whole, 3).tolist() == [3, 11, 19, 27, 35, 43, 51, 59]  # as before the option
+    tail = LongSparkTrainConfig(seq_len=64, block=4, anchor_stride=8, anchor_from=40)
+    assert anchor_positions(tail, 1).tolist() == [40, 48, 56]
+    assert anchor_positions(LongSparkTrainConfig(seq_len=64, block=4, anchor_stride=8, anchor_from=58), 8).tolist() \
+        == [60]  # the offset passed them all: the last anchor the window has
+    with pytest.raises(ConfigError, match="anchor_from=61 must be in \\[1, seq_len - block = 60\\]"):
+        LongSparkTrainConfig(seq_len=64, block=4, anchor_from=61)

@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("seed", "initialisation, data order and anchors")):
         spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
     spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
+    spark.add_argument("--anchor-from", type=int, default=defaults.anchor_from,
+                       help="anchors only at positions >= this (windows from regenerate-data: its --context, the "
+                       "part the target wrote); 1: the whole window")
     spark.add_argument("--position-decay", type=float, default=defaults.position_decay,
                        help="draft slot g's loss weighted by this ** g (acceptance is a prefix product); 1: alike")
     spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
@@ -394,7 +397,8 @@ def _train_longspark(args: argparse.Namespace) -> int:
     cfg = LongSparkTrainConfig(target_layers=layers, window=args.window, summary=args.summary, block=args.block,
                                lora_rank=args.lora_rank, seq_len=args.seq_len, batch_size=args.batch_size,
                                anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
-                               warmup=min(100, args.steps // 10), position_decay=args.position_decay)
+                               warmup=min(100, args.steps // 10), position_decay=args.position_decay,
+                               anchor_from=args.anchor_from)
     cfg.drafter("")  # the drafter's own checks, before the target loads
     record = train_longspark(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                              max_seconds=args.max_seconds)

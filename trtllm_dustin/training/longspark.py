@@ -33,8 +33,8 @@ from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, window_rows
 from trtllm_dustin.training.distill import _lr  # warm-up + cosine over steps or the time budget
 
-__all__ = ["LongSparkTrainConfig", "anchor_logits", "anchor_summaries", "step_loss", "target_features",
-           "train_longspark"]
+__all__ = ["LongSparkTrainConfig", "anchor_logits", "anchor_positions", "anchor_summaries", "step_loss",
+           "target_features", "train_longspark"]
 
 SCHEMA_VERSION = 1
 
@@ -60,6 +60,9 @@ class LongSparkTrainConfig:
     # Slot g's share of the loss grows as position_decay ** g: acceptance is a prefix product, so an early slot's
     # error costs every later one; 1.0 weighs the slots alike
     position_decay: float = 1.0
+    # Anchors only at positions >= anchor_from: on windows from `regenerate-data`, the part the target wrote (its
+    # --context); 1: the whole window
+    anchor_from: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
@@ -68,6 +71,9 @@ class LongSparkTrainConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup >= self.steps:
             raise ConfigError(f"warmup={self.warmup} must be below steps={self.steps}")
+        if not 1 <= self.anchor_from <= self.seq_len - self.block:
+            raise ConfigError(f"anchor_from={self.anchor_from} must be in [1, seq_len - block = "
+                              f"{self.seq_len - self.block}]")
         if not 0 < self.position_decay <= 1:
             raise ConfigError(f"position_decay={self.position_decay} must be in (0, 1]")
         if self.seq_len < self.block + 2:
@@ -159,6 +165,13 @@ def step_loss(model: LongSpark, target: Transformer, tokens: torch.Tensor, ancho
     return (kl * (weights / weights.mean())).mean()
 
 
+def anchor_positions(cfg: LongSparkTrainConfig, offset: int) -> torch.Tensor:
+    """A step's anchors L: every anchor_stride positions from anchor_from - 1 + offset (offset in [1, stride], drawn
+    per step) up to seq_len - block; the last possible one when the offset passes them all (a short tail)."""
+    first, last = cfg.anchor_from - 1 + offset, cfg.seq_len - cfg.block
+    return torch.arange(first, last + 1, cfg.anchor_stride) if first <= last else torch.tensor([last])
+
+
 def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSparkTrainConfig,
                     target_spec: str | None = None, device: str = "cuda", max_seconds: float | None = None,
                     save_every: float = 60.0, plot: bool = True) -> dict:
@@ -186,7 +199,8 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
     if resume.is_file():
         saved = torch.load(resume, map_location=device, weights_only=False)
         mine = {k: v for k, v in asdict(cfg).items() if k != "steps"}  # a resumed run may run longer
-        written = {"position_decay": 1.0, **saved["config"]}  # runs from before the field weighed slots alike
+        # runs from before these fields: slots weighed alike, anchors over the whole window
+        written = {"position_decay": 1.0, "anchor_from": 1, **saved["config"]}
         if {k: v for k, v in written.items() if k != "steps"} != mine:
             raise ConfigError(f"{resume} was written with another training config; use another --out or delete it")
         model.load_state_dict(saved["model"])
@@ -211,8 +225,7 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
     while step < cfg.steps:
         rows = order[np.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size) % len(order)]
         tokens = torch.from_numpy(np.asarray(data[rows, :T]).astype(np.int64)).to(device)
-        offset = int(rng.integers(1, cfg.anchor_stride + 1))
-        anchors = torch.arange(offset, T - G + 1, cfg.anchor_stride, device=device)
+        anchors = anchor_positions(cfg, int(rng.integers(1, cfg.anchor_stride + 1))).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = step_loss(model, target, tokens, anchors, cfg.position_decay)
         elapsed = time.perf_counter() - t0
@@ -240,7 +253,7 @@ def train_longspark(tokens_file: str | Path, out_dir: str | Path, cfg: LongSpark
     record = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "tokens_file": str(tokens_file),
               "windows_available": int(data.shape[0]), "steps_done": step,
               "tokens_seen": step * cfg.batch_size * cfg.seq_len,
-              "anchors_per_window": len(range(1, T - G + 1, cfg.anchor_stride)),
+              "anchors_per_window": len(range(cfg.anchor_from, T - G + 1, cfg.anchor_stride)),
               "first_loss": losses[0], "final_loss": float(np.mean(losses[-20:])), "seconds": seconds,
               "own_parameters": sum(p.numel() for p in model.parameters()),
               "own_weight_bytes_bf16": 2 * sum(p.numel() for p in model.parameters()),
