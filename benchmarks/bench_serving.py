@@ -158,7 +158,8 @@ def client(url: str, model: str, method: str | None, texts: list, max_tokens: in
                     elif count > tokens:
                         gaps += [(at - last) * 1e3 / (count - tokens)] * (count - tokens)
                     tokens, last = count, at
-                    tau = float(result.as_numpy("mean_accepted_length").reshape(-1)[0])
+                    if int(result.as_numpy("rounds").reshape(-1)[0]) > 0:  # 0 rounds: the server sends tau 0
+                        tau = float(result.as_numpy("mean_accepted_length").reshape(-1)[0])
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
             with lock:
@@ -166,7 +167,8 @@ def client(url: str, model: str, method: str | None, texts: list, max_tokens: in
                 record["tokens"] += tokens
                 record["ttft_ms"].append(ttft)
                 record["itl_ms"] += gaps
-                record["tau"].append(tau)
+                if tau is not None:  # a request that ended at its first token ran no round: no tau of its own
+                    record["tau"].append(tau)
         c.stop_stream()
 
 
