@@ -81,13 +81,15 @@ def check(length, t, heads_kv, group, head_dim, dtype, k, order):
     assert_close(out, reference(q, k_clean, v_clean, seqlens, indices), dtype)
 
 
-# (group, T, head_dim, dtype, K, order): G 1/3/4/7, T 1..5, D 64/128, all dtypes, K < L and K > L.
+# (group, T, head_dim, dtype, K, order): G 1/3/4/7, T 1..6 and 8, D 64/128, all dtypes, K < L and K > L.
 CPU_SHAPES = [
     (1, 1, 64, torch.float32, 64, "sorted"),
     (3, 2, 128, torch.bfloat16, 300, "shuffled"),
     (4, 3, 64, torch.float16, 17, "scattered"),
     (7, 4, 128, torch.bfloat16, 512, "sorted"),
     (4, 5, 64, torch.bfloat16, 1200, "scattered"),
+    (3, 6, 128, torch.bfloat16, 300, "shuffled"),  # Γ = 5 and Γ = 7 rounds (LongSpark's blocks)
+    (4, 8, 64, torch.bfloat16, 512, "sorted"),
 ]
 
 
@@ -102,7 +104,7 @@ def test_matches_reference(length, group, t, head_dim, dtype, k, order):
 @needs_cuda
 @pytest.mark.parametrize("length", [1, 7, 1000, 4097])
 @pytest.mark.parametrize("group", [1, 3, 4, 7])
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("k", [5, 512, 4096])
 def test_sweep_bf16_gpu(length, group, t, head_dim, k):

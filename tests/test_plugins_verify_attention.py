@@ -82,6 +82,7 @@ CPU_SHAPES = [
     (4, 3, 64, torch.float16, "bshd"),
     (7, 4, 128, torch.bfloat16, "contiguous"),
     (4, 5, 64, torch.bfloat16, "layer_view"),
+    (4, 8, 64, torch.bfloat16, "contiguous"),  # a Γ = 7 round (LongSpark's blocks)
 ]
 
 
@@ -96,7 +97,7 @@ def test_matches_reference(length, group, t, head_dim, dtype, layout):
 @needs_cuda
 @pytest.mark.parametrize("length", [1, 7, 1000, 4097])
 @pytest.mark.parametrize("group", [1, 3, 4, 7])
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "layer_view"])
 @pytest.mark.parametrize("heads_kv", [1, 8])
