@@ -317,15 +317,16 @@ class SlotPrefill:
     @staticmethod
     @torch.inference_mode()
     def step_together(prefills: Sequence[SlotPrefill]) -> list[bool]:
-        """The next chunk of several prefills of one decoder on adjacent slots (in slot order), one target forward
-        and one drafter forward for all of them (runtime/prefill.py: step_together); per prefill, whether it is
-        complete (its hooks then ran)."""
+        """The next chunk of several prefills of one decoder: those on adjacent slots share a target forward and a
+        drafter forward (runtime/prefill.py: group_jobs, step_together); per prefill, whether it is complete (its
+        hooks then ran)."""
         if any(p.finished for p in prefills):
             raise RuntimeError("this prefill has no chunk left")
-        complete = step_together([p.target for p in prefills])
-        drafts = [p.draft for p in prefills if p.draft is not None and not p.draft.finished]
-        for group in group_jobs(drafts):  # the same chunk boundaries as the target's; the draft's own cache limits
-            step_together(group)
+        for jobs in ([p.target for p in prefills],
+                     [p.draft for p in prefills if p.draft is not None and not p.draft.finished]):
+            for group in group_jobs(jobs):  # the draft's chunks end where the target's do; its cache has own limits
+                step_together(group)
+        complete = [p.target.finished for p in prefills]
         for p, done in zip(prefills, complete, strict=True):
             if done:
                 logits, queries = p.target.last_logits, p.target.last_queries

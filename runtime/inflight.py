@@ -33,7 +33,6 @@ import torch
 from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
-from trtllm_dustin.runtime.prefill import CHUNK_ROWS, group_jobs
 from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -93,7 +92,6 @@ class InflightBatcher:
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         self._deferred = prefill_budget is not None  # every prompt is prefilled by step(), under the budget
-        self.prefill_rows = CHUNK_ROWS  # padded rows one batched prefill forward takes at most
         self.prefix_cache = prefix_cache
         slots = self.cache.batch_slots
         self._slots: list[_Slot | None] = [None] * slots
@@ -193,9 +191,7 @@ class InflightBatcher:
         plan = self._plan()  # (slot, chunks this step), oldest admission first
         for wave in range(max((n for _, n in plan), default=0)):
             # The wave-th chunk of every planned prefill: admissions on adjacent slots share one forward.
-            jobs = {self._slots[slot].prefill.target: slot for slot, n in plan if n > wave}
-            for group in group_jobs(list(jobs), self.prefill_rows):
-                SlotPrefill.step_together([self._slots[jobs[job]].prefill for job in group])
+            SlotPrefill.step_together([self._slots[slot].prefill for slot, n in plan if n > wave])
         for slot, _ in plan:
             if self._slots[slot].prefill.finished:
                 updates.append(self._begin(slot))

@@ -134,22 +134,19 @@ def group_jobs(jobs: Sequence[PrefillJob], max_rows: int = CHUNK_ROWS, free_rows
     fits) and within twice its real rows unless they are at most free_rows, and its padding stays inside the cache
     and the model's positions."""
     groups: list[list[PrefillJob]] = []
-    width = real = 0  # the current group's longest next chunk and its real rows
+    width = rows = real = 0  # the current group's longest next chunk, its rows and its real (unpadded) positions
     for job in sorted(jobs, key=lambda j: j.first_slot):
-        group = groups[-1] if groups else None
-        if group is not None:
-            last, t = group[-1], max(width, job.next_chunk)
-            rows = sum(j.rows for j in group) + job.rows
-            joins = (last.cache is job.cache and last.model is job.model and last.backend is job.backend
-                     and job.first_slot == last.first_slot + last.rows and rows * t <= max_rows
-                     and rows * t <= max(free_rows, 2 * (real + job.rows * job.next_chunk))
-                     and all(j.done + t <= _position_limit(j) for j in (*group, job)))
-            if joins:
-                group.append(job)
-                width, real = t, real + job.rows * job.next_chunk
-                continue
-        groups.append([job])
-        width, real = job.next_chunk, job.rows * job.next_chunk
+        t, mine = max(width, job.next_chunk), job.rows * job.next_chunk
+        last = groups[-1][-1] if groups else None
+        if last is not None and (last.cache is job.cache and last.model is job.model and last.backend is job.backend
+                                 and job.first_slot == last.first_slot + last.rows
+                                 and (rows + job.rows) * t <= min(max_rows, max(free_rows, 2 * (real + mine)))
+                                 and all(j.done + t <= _position_limit(j) for j in (*groups[-1], job))):
+            groups[-1].append(job)
+            width, rows, real = t, rows + job.rows, real + mine
+        else:
+            groups.append([job])
+            width, rows, real = job.next_chunk, job.rows, mine
     return groups
 
 
@@ -179,22 +176,21 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
                          f"positions at slots {over}; run those jobs alone")
     device, config = cache.seqlens.device, model.config
     starts = [job.done for job in jobs]
-    ends = [min(job.done + job.chunk, job.longest) for job in jobs]
+    ends = [job.done + job.next_chunk for job in jobs]
     rows = [job.rows for job in jobs]
     B = sum(rows)
     view = slot_range(cache, slice(first.first_slot, first.first_slot + B))
-
-    def per_row(values: list[int]) -> torch.Tensor:  # host ints -> [B] on the device, without a host sync
-        host = torch.tensor([v for v, n in zip(values, rows, strict=True) for _ in range(n)], dtype=torch.int32)
-        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-    start_rows, end_rows = per_row(starts), per_row(ends)
-    lens = torch.cat([job.lens for job in jobs]) if len(jobs) > 1 else first.lens
-    if len(jobs) == 1:
-        tokens = first.tokens[:, starts[0]: ends[0]]
-    else:  # each job's chunk, padded to T
-        tokens = torch.cat([F.pad(job.tokens[:, s: s + T], (0, max(0, s + T - job.longest)))
-                            for job, s in zip(jobs, starts, strict=True)])
+    # Per row, known on the host before the forward: its start, its chunk's end, and its length after the step
+    # (-1: the job completes, its prompts take their own lengths; else parked at end + 1, PrefillJob's docstring).
+    # One pinned copy: no host sync.
+    table = torch.tensor([[s, e, -1 if e >= job.longest else e + 1]
+                          for job, s, e in zip(jobs, starts, ends, strict=True) for _ in range(job.rows)],
+                         dtype=torch.int32).T
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    start_rows, end_rows, after = table
+    lens = torch.cat([job.lens for job in jobs])
+    tokens = torch.cat([F.pad(job.tokens[:, s: s + T], (0, max(0, s + T - job.longest)))  # each chunk, padded to T
+                        for job, s in zip(jobs, starts, strict=True)])
     view.seqlens.copy_(start_rows)
     real = torch.minimum((lens - start_rows).clamp_min(0), end_rows - start_rows).to(torch.int32)  # [B]: padded
     meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=max(starts) + T, query_lens=real)
@@ -209,7 +205,7 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
     ends_here = ((lens - 1) >= start_rows) & ((lens - 1) < end_rows)  # [B]
     all_rows = torch.arange(B, device=device)
     row = 0
-    for job, n in zip(jobs, rows, strict=True):
+    for job, n, end in zip(jobs, rows, ends, strict=True):
         mine, here = slice(row, row + n), ends_here[row: row + n]
         job.last_logits = torch.where(here[:, None], logits[mine], job.last_logits)
         if capture is not None:
@@ -218,12 +214,9 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
                 job.last_queries[layer] = torch.where(here[:, None, None], q[picked], job.last_queries[layer])
             for layer, h in capture.hidden.items():
                 job.hidden_out[layer].copy_(torch.where(here[:, None], h[picked], job.hidden_out[layer]))
-        row += n
-    for job, end in zip(jobs, ends, strict=True):
         job.done = end
-    # Complete jobs take their lengths; the others wait parked between chunks (PrefillJob's docstring says why).
-    parked = per_row([job.longest if job.finished else job.done + 1 for job in jobs])
-    view.seqlens.copy_(torch.where(per_row([int(job.finished) for job in jobs]).bool(), lens, parked))
+        row += n
+    view.seqlens.copy_(torch.where(after < 0, lens, after))
     return [job.finished for job in jobs]
 
 

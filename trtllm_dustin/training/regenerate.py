@@ -90,13 +90,13 @@ def regenerate_tokens(tokens_file: str | Path, out: str | Path, cfg: RegenerateC
     windows = min(data.shape[0], cfg.max_windows or data.shape[0])
     partial, progress_file, record_file = _paths(out)
     settings = {"tokens_file": str(tokens_file), "target": target_spec, "windows": windows, **asdict(cfg)}
-    done = 0
+    done, seconds_before = 0, 0.0
     if progress_file.is_file() and partial.is_file():
         saved = json.loads(progress_file.read_text())
         if saved["settings"] != settings:
             raise ConfigError(f"{progress_file} was written with other settings ({saved['settings']}); use another "
                               f"--out or delete {partial} and {progress_file}")
-        done = saved["rows_done"]
+        done, seconds_before = saved["rows_done"], saved["seconds"]
         rows = np.load(partial, mmap_mode="r+")
     else:
         rows = np.lib.format.open_memmap(partial, mode="w+", dtype=data.dtype, shape=(windows, width))
@@ -110,9 +110,8 @@ def regenerate_tokens(tokens_file: str | Path, out: str | Path, cfg: RegenerateC
         target=target, target_cache=KVCache.allocate(target.config, slots, room, dtype, device),
         backend=get_backend("triton" if device.type == "cuda" else "reference"),
         use_cuda_graph=device.type == "cuda"))
-    t0, seconds_before = time.perf_counter(), 0.0
+    t0 = time.perf_counter()
     if done:
-        seconds_before = json.loads(progress_file.read_text())["seconds"]
         print(f"resuming at window {done} of {windows}")
     bar = tqdm(total=windows, initial=done, unit="window", desc="regenerating with the target")
     while done < windows:
