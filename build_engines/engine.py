@@ -180,13 +180,14 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def build_engine(out: str | Path, *, target: str | None = None, draft: str | None = None,
                  longspark: str | None = None, dustin: DustinConfig | None = None,
                  limits: EngineLimits | None = None, pp_size: int = 1, tune: bool = False, seed: int = 0,
-                 device: str = "cpu", force: bool = False, log=print) -> Path:
+                 device: str = "cpu", force: bool = False, log=print, first_stage_layers: int | None = None) -> Path:
     """Build an engine at `out` (the module docstring says what it holds); returns its path.
 
     target / draft: what `load_model` takes (None: the default SmolLM2 target; the draft only when given).
     longspark: a LongSpark drafter for the target (a directory, "random", or None: none). tune: measure the
     tactic table on this CUDA device (else the packaged table is recorded). The weights are converted on `device`
-    (cpu is fine: a build runs once). Every check runs before a weight is read.
+    (cpu is fine: a build runs once). first_stage_layers: the first stage's target layers (it also drafts; the others
+    split the rest evenly), None: an even split. Every check runs before a weight is read.
     """
     from tqdm import tqdm
 
@@ -207,7 +208,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
     target_ckpt = open_model(target, seed)
     draft_ckpt = open_model(draft, seed + 1) if draft is not None else None
     tc = target_ckpt.config
-    layers = layer_split(tc.num_layers, pp_size)
+    layers = layer_split(tc.num_layers, pp_size, first_stage_layers)
     if limits.max_seq_len > tc.max_position_embeddings:
         raise EngineError(f"--max-seq-len {limits.max_seq_len} exceeds the target's {tc.max_position_embeddings} "
                           "positions; lower it")

@@ -91,6 +91,43 @@ def test_pipeline_shards_hold_contiguous_layers(tmp_path: Path) -> None:
         layer_split(3, 9)
 
 
+def test_a_split_can_give_the_drafting_rank_fewer_layers(tmp_path: Path) -> None:
+    """--first-stage-layers n: the first stage holds n layers, the others split the rest as the even split does;
+    the build writes its shards by that split and records it; impossible counts are refused with the range."""
+    from safetensors import safe_open
+
+    from trtllm_dustin.runtime.pipeline import check_split
+
+    assert layer_split(32, 4, first=5) == [(0, 5), (5, 14), (14, 23), (23, 32)]
+    assert layer_split(30, 4, first=6) == [(0, 6), (6, 14), (14, 22), (22, 30)]
+    assert layer_split(30, 2, first=15) == layer_split(30, 2) and layer_split(7, 1, first=7) == [(0, 7)]
+    for n, p in ((32, 4), (80, 4), (48, 2), (3, 3)):
+        for first in range(1, n - p + 2):
+            split = layer_split(n, p, first)
+            assert check_split(split, n, p) == split and split[0] == (0, first)
+            sizes = [b - a for a, b in split[1:]]
+            assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n - first
+    with pytest.raises(ConfigError, match=r"--first-stage-layers 3 must be between 1 and 2 \(the target's 3 layers"):
+        layer_split(3, 2, first=3)
+    with pytest.raises(ConfigError, match="--first-stage-layers 0 must be between 1 and 2"):
+        layer_split(3, 2, first=0)
+    with pytest.raises(ConfigError, match="one stage holds all 3 layers"):
+        layer_split(3, 1, first=2)
+    for bad in ([(0, 2), (3, 4)], [(0, 2)], [(1, 2), (2, 4)], [(0, 0), (0, 4)], [(0, 2), (2, 5)]):
+        with pytest.raises(ConfigError, match="is not 2 contiguous non-empty ranges covering the target's 4 layers"):
+            check_split(bad, 4, 2)
+    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None, first_stage_layers=1)
+    assert EngineManifest.from_json((out / "manifest.json").read_text(), "m").layers == [(0, 1), (1, 3)]
+    held = []
+    for rank in range(2):
+        with safe_open(str(out / f"rank{rank}" / "target.safetensors"), framework="pt") as f:
+            held.append({int(n.split(".")[1]) for n in f.keys() if n.startswith("layers.")})
+    assert held == [{0}, {1, 2}]
+    with pytest.raises(ConfigError, match="--first-stage-layers 3 must be between 1 and 2"):
+        build(tmp_path / "bad", pp_size=2, draft=None, dustin=None, longspark=None, first_stage_layers=3)
+    assert not (tmp_path / "bad").exists()
+
+
 def copy_engine(engine_dir: Path, tmp_path: Path) -> Path:
     import shutil
 

@@ -30,7 +30,8 @@ def engines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pp-engines")
     common = dict(longspark=None, dustin=DUSTIN, limits=LIMITS)
     return {"pp1": build(root / "pp1", **common), "pp2": build(root / "pp2", pp_size=2, **common),
-            "pp2-other": build(root / "pp2-other", pp_size=2, seed=4, **common)}
+            "pp2-other": build(root / "pp2-other", pp_size=2, seed=4, **common),
+            "pp2-first1": build(root / "pp2-first1", pp_size=2, first_stage_layers=1, **common)}
 
 
 def cli_ranks(argvs: list[list[str]], timeout_s: float = 240.0) -> list[subprocess.CompletedProcess]:
@@ -65,6 +66,20 @@ def test_a_pp2_engine_on_two_processes_generates_what_the_pp1_engine_does(engine
     assert expected and token_lines(ranks[0].stdout) == expected
     assert "pipeline: 2 stages (layers [(0, 2), (2, 3)])" in ranks[0].stdout
     assert ranks[1].stdout == ""  # the other ranks are silent
+
+
+@pytest.mark.usefixtures("plugin_references")
+def test_a_split_with_a_lighter_drafting_rank_generates_what_the_pp1_engine_does(engines, capsys) -> None:
+    """--first-stage-layers 1: rank 0 (which drafts) holds one target layer, rank 1 the other two; dustin-h's SRH
+    layer 1 then lives on rank 1, so S_target crosses the stages, and the tokens stay the pp=1 engine's."""
+    assert main([*RUN, "--engine", str(engines["pp1"])]) == 0
+    expected = token_lines(capsys.readouterr().out)
+    assert open_engine(engines["pp2-first1"], world_size=2, rank=0).layers == (0, 1)
+    assert open_engine(engines["pp2-first1"], world_size=2, rank=1).layers == (1, 3)
+    ranks = cli_ranks([[*RUN, "--engine", str(engines["pp2-first1"])]] * 2)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    assert expected and token_lines(ranks[0].stdout) == expected
+    assert "pipeline: 2 stages (layers [(0, 1), (1, 3)])" in ranks[0].stdout
 
 
 def test_ranks_with_different_engines_refuse_at_start(engines) -> None:

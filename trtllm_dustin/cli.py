@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16", help="weights and the target's KV cache")
     build.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model", help="the draft's KV cache")
     build.add_argument("--pp-size", type=int, default=1, help="pipeline stages (contiguous target layers per rank)")
+    build.add_argument("--first-stage-layers", type=int, default=None, help="target layers of the first stage, which "
+                       "also drafts (the others split the rest evenly); None: an even split")
     build.add_argument("--tune", action="store_true", help="measure the kernel tactics on this GPU (else the "
                        "packaged table is recorded)")
     build.add_argument("--seed", type=int, default=0, help="weights seed of presets (the draft's: seed + 1)")
@@ -515,8 +517,8 @@ def _build(args: argparse.Namespace) -> int:
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     start = time.perf_counter()
     build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, dustin=dustin,
-                 limits=limits, pp_size=args.pp_size, tune=args.tune, seed=args.seed, force=args.force,
-                 device=args.device or _default_device())
+                 limits=limits, pp_size=args.pp_size, first_stage_layers=args.first_stage_layers, tune=args.tune,
+                 seed=args.seed, force=args.force, device=args.device or _default_device())
     print(f"build took {time.perf_counter() - start:.1f} s; run it: trtllm-dustin generate --engine {args.out}")
     return 0
 
@@ -792,7 +794,7 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
             draft_config=draft.config if draft is not None else None, draft=draft_model, gamma=args.gamma,
             draft_budget=args.draft_budget, dustin=dustin, micro_batches=args.micro_batches, kv_dtype=dtype,
             draft_kv_dtype=kv_dtypes[1] if draft is not None else None, use_cuda_graph=not args.no_cuda_graph,
-            kernels=kernels))
+            kernels=kernels, layers=tuple(engine.manifest.layers)))
         gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=target.config.eos_token_ids,
                                       sampling=SamplingParams(args.temperature, args.top_p, args.seed))
         result = decoder.generate([prompt] * args.batch_size, gen_config)

@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from functools import partial
 
 import torch
 
@@ -57,13 +58,14 @@ from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig
 from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime import phases
-from trtllm_dustin.runtime.acceptor import Verdict
+from trtllm_dustin.runtime.acceptor import Acceptor, Verdict
 from trtllm_dustin.runtime.build import build_runtime
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
 from trtllm_dustin.runtime.methods import METHODS
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.pipeline.group import PipelineGroup
-from trtllm_dustin.runtime.pipeline.layers import layer_split
+from trtllm_dustin.runtime.pipeline.layers import check_split, layer_split
 from trtllm_dustin.runtime.pipeline.longspark import LongSparkRelay
 from trtllm_dustin.runtime.pipeline.selection import TargetHistory, pipeline_method, sum_in_order
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
@@ -73,7 +75,7 @@ from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors import InPassSelector
 from trtllm_dustin.runtime.state import Progress, RoundState
 
-__all__ = ["PipelineDecoder", "PipelineSetup"]
+__all__ = ["PipelineBench", "PipelineDecoder", "PipelineSetup"]
 
 
 class _Tag(IntEnum):
@@ -113,8 +115,10 @@ class PipelineSetup:
     micro_batches: int = 1  # M micro-batches in flight; M >= P keeps every stage busy
     kv_dtype: torch.dtype | None = None  # the target cache's (None: the stage's weights')
     draft_kv_dtype: torch.dtype | None = None  # the draft cache's (None: the draft's weights')
-    use_cuda_graph: bool = True  # the drafter's steps (CUDA only); the stage forwards run eagerly
+    use_cuda_graph: bool = True  # the drafter's steps and each micro-batch's stage forward (CUDA only)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    # [start, stop) target layers of every rank (an engine's manifest); None: layer_split's even split
+    layers: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         pipeline_method(self.method)
@@ -124,7 +128,7 @@ class PipelineSetup:
                               "(trtllm-dustin generate without torchrun)")
         if (stage.rank, stage.pp_size) != (group.rank, group.world):
             raise ConfigError(f"stage {stage.rank} of {stage.pp_size} runs on rank {group.rank} of {group.world}")
-        expected = layer_split(stage.config.num_layers, stage.pp_size)[stage.rank]
+        expected = self.stage_layers[stage.rank]
         if (stage.start, stage.stop) != expected:
             raise ConfigError(f"rank {stage.rank} holds layers [{stage.start}, {stage.stop}); the split gives it "
                               f"[{expected[0]}, {expected[1]})")
@@ -148,6 +152,12 @@ class PipelineSetup:
                                   "longspark_config; load it on rank 0 (PipelineSetup.longspark)")
 
     @property
+    def stage_layers(self) -> list[tuple[int, int]]:
+        """Every rank's [start, stop) target layers."""
+        n, p = self.stage.config.num_layers, self.stage.pp_size
+        return layer_split(n, p) if self.layers is None else check_split(self.layers, n, p)
+
+    @property
     def speculative_gamma(self) -> int:
         return self.gamma if METHODS[self.method].speculative else 0
 
@@ -155,7 +165,7 @@ class PipelineSetup:
         """What every rank must agree on (the start handshake)."""
         return {"method": self.method, "gamma": str(self.speculative_gamma), "batch": str(self.batch_slots),
                  "max_seq_len": str(self.max_seq_len), "micro_batches": str(self.micro_batches),
-                 "pipeline stages": str(self.stage.pp_size),
+                 "pipeline stages": str(self.stage.pp_size), "layer split": str(self.stage_layers),
                  "target": model_fingerprint(self.stage.config), "draft budget": str(self.draft_budget),
                  "dustin config": hashlib.sha256(self.dustin.to_json().encode()).hexdigest()[:16]
                  if self.dustin is not None else "none",
@@ -163,6 +173,23 @@ class PipelineSetup:
                  "longspark": hashlib.sha256(self.longspark_config.to_json().encode()).hexdigest()[:16]
                  if self.longspark_config is not None else "none",
                  "target weights dtype": str(next(self.stage.parameters()).dtype)}
+
+
+@dataclass(frozen=True)
+class PipelineBench:
+    """One rank's timed rounds of `PipelineDecoder.bench`."""
+
+    context: int
+    rounds: int  # rounds of every micro-batch
+    ms: float  # this rank's wall time, from the moment every stage was ready to its last commit
+    committed: int  # tokens the rounds committed over all slots
+    slots: int
+
+    @property
+    def ms_per_round(self) -> float:
+        """Time between two rounds of one micro-batch (with M >= P micro-batches, the stages work on the others in
+        between)."""
+        return self.ms / self.rounds
 
 
 @dataclass
@@ -192,6 +219,8 @@ class _MicroBatch:
     verdict: torch.Tensor | None = None  # int64 [2, b] on the last stage, until every stage has it
     rounds: int = 0
     finish: phases.FinishCheck | None = None  # the stop rule, set when the slots begin
+    verify_tokens: torch.Tensor | None = None  # the first stage: int64 [b, Γ+1], the forward's static input
+    forward: _StageForward | None = None  # this stage's forward, captured in a CUDA graph (CUDA only)
     # what this stage receives every round, allocated once (a micro-batch's next round starts only after its verdict,
     # by which time the previous round's messages have been read)
     inbox: dict[_Tag, torch.Tensor] = field(default_factory=dict)
@@ -224,6 +253,35 @@ class _Schedule:
     def advance(self) -> list[int | None]:
         self.stages = [self.ready.popleft() if self.ready else None] + self.stages[:-1]
         return self.stages
+
+
+class _StageForward:
+    """A micro-batch's stage forward in a CUDA graph: warmed up on a side stream and captured at its first round,
+    replayed after. `inputs` are the buffers it reads, which every later round must pass again (checked); `chosen`
+    are buffers the pass rewrites in place (an in-pass set), restored after each warm-up run so that the replay
+    starts from what the round started with."""
+
+    def __init__(self, run, inputs: tuple[torch.Tensor, ...], chosen: list[torch.Tensor]) -> None:
+        self.pointers = tuple(t.data_ptr() for t in inputs)
+        saved = [t.clone() for t in chosen]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy initialisation (cuBLAS handles, Triton JIT) outside the capture
+                run()
+                for t, before in zip(chosen, saved, strict=True):
+                    t.copy_(before)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = run()
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        given = (x.data_ptr(), *(() if indices is None else (indices.data_ptr(),)))
+        if given != self.pointers[:1] + self.pointers[2:]:
+            raise RuntimeError("a captured stage forward was given other buffers than it was captured with")
+        self.graph.replay()
+        return self.out
 
 
 class _DtypeOf:
@@ -270,8 +328,7 @@ class PipelineDecoder:
         self.gamma = setup.speculative_gamma
         self.dtype = next(stage.parameters()).dtype
         self.kv_dtype = setup.kv_dtype or self.dtype
-        self.owner = {layer: rank for rank, (start, stop) in enumerate(layer_split(stage.config.num_layers,
-                                                                                     stage.pp_size))
+        self.owner = {layer: rank for rank, (start, stop) in enumerate(setup.stage_layers)
                       for layer in range(start, stop)}  # global layer -> the rank that holds it
         self.shared_vocab = setup.draft_config.vocab_size if self.spec.needs_draft else stage.config.vocab_size
         dustin = setup.dustin
@@ -292,6 +349,9 @@ class PipelineDecoder:
         self.budget = (dustin.budget if dustin is not None else setup.draft_budget) if self.spec.sparse else None
         stage.kernels = setup.kernels
         self.acceptors = phases.Acceptors(setup.kernels.round_kernels)
+        self._acceptor: Acceptor | None = None  # bench: the last stage's stated acceptance
+        self._untimed = PhaseTimer(False, device)
+        self._timer = self._untimed  # bench: this rank's phases
         sizes = [setup.batch_slots // setup.micro_batches + (m < setup.batch_slots % setup.micro_batches)
                  for m in range(setup.micro_batches)]
         starts = [sum(sizes[:m]) for m in range(len(sizes))]
@@ -323,13 +383,17 @@ class PipelineDecoder:
             mb.chooser = InPassSelector(local, cache, stage.config, None, pdl=setup.kernels.pdl)
         g1, long = self.gamma + 1, torch.long
         if not stage.first:
-            mb.inbox[_Tag.HIDDEN] = torch.empty(b, g1, stage.config.hidden_size, dtype=self.dtype, device=self.device)
-            mb.inbox[_Tag.TOKENS] = torch.empty(b, g1, dtype=long, device=self.device)
+            mb.inbox[_Tag.HIDDEN] = torch.zeros(b, g1, stage.config.hidden_size, dtype=self.dtype, device=self.device)
+            mb.inbox[_Tag.TOKENS] = torch.zeros(b, g1, dtype=long, device=self.device)
             if self.budget is not None:  # a chooser rewrites the received set in place, in its own buffer
                 mb.inbox[_Tag.INDICES] = mb.chooser.indices if mb.chooser is not None else \
                     torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
         elif self.selection_layers:
             mb.inbox[_Tag.CHOSEN] = torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
+        if stage.first:
+            mb.verify_tokens = torch.zeros(b, g1, dtype=long, device=self.device)
+            if self.budget is not None:  # a captured forward reads the set from one buffer
+                mb.inbox[_Tag.INDICES] = torch.zeros(b, self.budget, dtype=torch.int32, device=self.device)
         if not stage.last:
             mb.inbox[_Tag.VERDICT] = torch.empty(2, b, dtype=long, device=self.device)
         elif self.gamma:  # rejection sampling's q (read only by sampled rounds)
@@ -392,17 +456,7 @@ class PipelineDecoder:
         self._warm_up(self.micro[0])
         self.group.barrier()  # the decode clock starts when every stage is ready
         t1 = time.perf_counter()
-        for m in live:
-            self._score_history(self.micro[m])
-        schedule = _Schedule(self.group.world, live)
-        while schedule.running:
-            done = schedule.finished()
-            if done is not None and self._consume(self.micro[done], config):
-                schedule.ready.append(done)
-            working = schedule.advance()[self.group.rank]
-            if working is not None:
-                self._work(self.micro[working])
-        self.group.drain()
+        self._decode(live, config.max_new_tokens)
         t2 = time.perf_counter()
         tokens = [row for mb in self.micro if mb.prompts for row in mb.progress.tokens(mb.prompts)]
         hist = sum(mb.progress.hist for mb in self.micro).tolist()
@@ -410,6 +464,69 @@ class PipelineDecoder:
         decode_ms = (t2 - t1) * 1e3
         return GenerationResult(tokens=tokens, prefill_ms=(t1 - t0) * 1e3, setup_ms=0.0, decode_ms=decode_ms,
                                 rounds=rounds, decoding_rounds=rounds, decoding_ms=decode_ms, committed_hist=hist)
+
+    def _decode(self, live: Sequence[int], limit: int) -> None:
+        """The rounds of the live micro-batches, on the schedule (module docstring), until each stops: every slot
+        finished, or `limit` rounds run."""
+        for m in live:
+            self._score_history(self.micro[m])
+        schedule = _Schedule(self.group.world, live)
+        while schedule.running:
+            done = schedule.finished()
+            if done is not None and self._consume(self.micro[done], limit):
+                schedule.ready.append(done)
+            working = schedule.advance()[self.group.rank]
+            if working is not None:
+                self._work(self.micro[working])
+        self.group.drain()
+
+    # ---- benchmarks ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def bench(self, context: int, rounds: int, acceptor: Acceptor | None = None, timer: PhaseTimer | None = None,
+              seed: int = 0) -> PipelineBench:
+        """Speed with random weights, on every rank: each slot as if a `context`-token prompt had just been
+        prefilled (the caches hold whatever they hold, and no prefill runs; the hooks read zero queries), then
+        `rounds` greedy rounds of every micro-batch on the schedule. acceptor: the last stage's verdict (a stated
+        acceptance; None: greedy); timer: this rank's phases (module docstring). Every rank draws the same first
+        tokens from `seed`. Returns this rank's wall time from the moment every stage is ready to its last commit."""
+        setup, g1 = self.setup, self.gamma + 1
+        width = rounds * g1 + 1  # the first token, then up to Γ + 1 a round: no slot reaches its limit
+        if context < 1 or rounds < 1 or context + width + self.gamma > setup.max_seq_len:
+            raise ConfigError(f"bench: context {context} + {rounds} rounds of up to {g1} tokens (+ {self.gamma}) "
+                              f"must fit the cache's {setup.max_seq_len} positions per slot; lower them or raise "
+                              "max_seq_len")
+        first = torch.randint(0, self.shared_vocab, (setup.batch_slots,), generator=torch.Generator().manual_seed(
+            seed)).to(self.device)
+        config = self.stage.config
+        for mb in self.micro:
+            n = mb.size
+            mb.state.idle(slice(None))
+            mb.prompts, mb.rounds, mb.verdict = n, 0, None
+            mb.progress = Progress.allocate(n, width, self.gamma, (), self.device)
+            mb.sampling = SlotSampling.batch(GenerationConfig().sampling, n, self.device,
+                                             use_kernel=setup.kernels.round_kernels)
+            prompts = [[int(t)] * context for t in first[mb.slots].tolist()]
+            mb.state.lengths[:n] = context
+            queries = {layer: torch.zeros(n, config.num_heads, config.head_dim, dtype=self.dtype, device=self.device)
+                       for layer in self._prefill_query_layers(mb)}
+            hidden_out = mb.relay.prefill_hidden_out(n) if mb.relay is not None else {}
+            self._prefilled(mb, prompts, queries, hidden_out, chunk=None)
+            phases.begin(mb.state, mb.progress, slice(0, n), first[mb.slots], prompts, width)
+            mb.finish = phases.FinishCheck(self.device, GenerationConfig().sync_every, poll=False)
+        self._acceptor, self._timer = acceptor, timer or self._untimed
+        try:
+            self._warm_up(self.micro[0])
+            _sync(self.device)
+            self.group.barrier()
+            t1 = time.perf_counter()
+            self._decode(range(len(self.micro)), rounds)
+            _sync(self.device)
+            t2 = time.perf_counter()
+        finally:
+            self._acceptor, self._timer = None, self._untimed
+        committed = sum(int(mb.progress.generated.sum()) for mb in self.micro)
+        return PipelineBench(context=context, rounds=rounds, ms=(t2 - t1) * 1e3, committed=committed,
+                             slots=setup.batch_slots)
 
     def _warm_up(self, mb: _MicroBatch) -> None:
         """The round's custom ops once, on copies, before the decode clock starts: a process's first one pays a
@@ -437,23 +554,38 @@ class PipelineDecoder:
         [n, V] (zeros elsewhere); the SRH stages' target history and the first stage's hooks are set."""
         stage = self.stage
         model = _ChunkThroughStage(stage, self.group, len(prompts))
-        owned = tuple(layer for layer in self.selection_layers[:1] if stage.owns(layer))  # the seeder's first layer
-        layers = tuple(sorted({*(mb.history.layers if mb.history is not None else ()), *owned}))
+        layers = self._prefill_query_layers(mb)
         n = len(prompts)
         hidden_out = mb.relay.prefill_hidden_out(n) if mb.relay is not None else {}
         job = PrefillJob(model, mb.cache, self.setup.backend, prompts, chunk, capture_layers=layers,
                          hidden_out=hidden_out)
         logits, queries = job.run()
+        self._prefilled(mb, prompts, dict(queries), hidden_out, chunk)
+        return phases.mask_shared(logits, self.shared_vocab) if stage.last else logits
+
+    def _prefill_query_layers(self, mb: _MicroBatch) -> tuple[int, ...]:
+        """The global layers whose last prompt query this stage keeps: its SRH layers, and the first selection layer
+        on the stage that seeds round 1's in-pass set."""
+        owned = tuple(layer for layer in self.selection_layers[:1] if self.stage.owns(layer))
+        return tuple(sorted({*(mb.history.layers if mb.history is not None else ()), *owned}))
+
+    def _prefilled(self, mb: _MicroBatch, prompts: list[list[int]], queries: dict[int, torch.Tensor],
+                   hidden_out: dict[int, torch.Tensor], chunk: int | None) -> None:
+        """The prompts are in this stage's cache: the lengths, the LongSpark payload, the SRH history, round 1's
+        in-pass set and the first stage's hooks (after the draft's own prefill; chunk None: the draft's cache already
+        holds what it holds, as a benchmark's random caches do)."""
+        stage, n = self.stage, len(prompts)
+        owned = tuple(layer for layer in self.selection_layers[:1] if stage.owns(layer))
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         hidden = self._relay_prefill(mb, hidden_out, max(len(p) for p in prompts)) if mb.relay is not None else {}
-        view = PrefillView(slice(0, n), prompts, lengths, dict(queries), hidden)
+        view = PrefillView(slice(0, n), prompts, lengths, queries, hidden)
         if mb.history is not None:
             mb.history.on_prefill(view)
         if mb.chooser is not None and self.seeder == stage.rank:  # round 1's set: chosen here, sent to the first
             mb.chooser.on_prefill(replace(view, queries={owned[0] - stage.start: queries[owned[0]]}))
             self.group.send(mb.chooser.indices[:n].clone(), 0, _Tag.SEED)
         if stage.first:
-            draft_job = mb.drafter.prefill(slice(0, n), prompts, chunk)
+            draft_job = mb.drafter.prefill(slice(0, n), prompts, chunk) if chunk is not None else None
             if draft_job is not None:
                 draft_job.run()
             hooks = replace(view, queries={})  # the first stage's drafter and selector read no target query
@@ -466,7 +598,6 @@ class PipelineDecoder:
                 mb.selector.indices[:n] = self.group.recv(torch.empty(n, self.budget, dtype=torch.int32,
                                                                       device=self.device), self.seeder, _Tag.SEED,
                                                           "round 1's in-pass set")
-        return phases.mask_shared(logits, self.shared_vocab) if stage.last else logits
 
     def _relay_prefill(self, mb: _MicroBatch, hidden_out: dict[int, torch.Tensor], longest: int
                        ) -> dict[int, torch.Tensor]:
@@ -509,25 +640,52 @@ class PipelineDecoder:
     # ---- one round, in two halves: a stage's work, then every stage's commit of the verdict ---------------
     def _work(self, mb: _MicroBatch) -> None:
         """This stage's part of the micro-batch's round (module docstring)."""
-        stage, group, setup = self.stage, self.group, self.setup
+        stage, group, phase = self.stage, self.group, self._timer
         sampled = not (mb.sampling is None or mb.sampling.all_greedy)
         if stage.first:
-            proposal = mb.drafter.propose(mb.state, mb.sampling)  # tokens [b, Γ]
-            mb.tokens = torch.cat([mb.state.cur[:, None], proposal.tokens], dim=1)  # [b, Γ+1]
-            mb.indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
-            x = mb.tokens
+            with phase("draft"):
+                proposal = mb.drafter.propose(mb.state, mb.sampling)  # tokens [b, Γ]
+                mb.verify_tokens[:, 0] = mb.state.cur
+                mb.verify_tokens[:, 1:] = proposal.tokens
+                mb.tokens = x = mb.verify_tokens  # [b, Γ+1]
+            with phase("select"):  # with S_target from the SRH stages
+                indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
+                if indices is not None and not self.selection_layers:  # in-pass: the selector's own buffer
+                    indices = mb.inbox[_Tag.INDICES].copy_(indices)
+                mb.indices = indices
         else:
             src, inbox = stage.rank - 1, mb.inbox
-            x = group.recv(inbox[_Tag.HIDDEN], src, _Tag.HIDDEN, "the verification's hidden states")
-            mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
-            if self.budget is not None:
-                mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
-            if mb.relaying and stage.rank >= 2:  # the first stage sends no payload
-                group.recv(mb.relay.kv, src, _Tag.LS_KV, "the LongSpark layers' K/V rows")
-                group.recv(mb.relay.hidden, src, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
-        in_pass = (mb.selector.in_pass if stage.first else mb.chooser) if self.selection_layers else None
-        meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
-        out = stage(x, mb.cache, meta, setup.backend, capture=mb.capture)  # hidden [b, Γ+1, H] or logits
+            with phase("wait"):
+                x = group.recv(inbox[_Tag.HIDDEN], src, _Tag.HIDDEN, "the verification's hidden states")
+                mb.tokens = group.recv(inbox[_Tag.TOKENS], src, _Tag.TOKENS, "the round's tokens")
+                if self.budget is not None:
+                    mb.indices = group.recv(inbox[_Tag.INDICES], src, _Tag.INDICES, "the verification set")
+                if mb.relaying and stage.rank >= 2:  # the first stage sends no payload
+                    group.recv(mb.relay.kv, src, _Tag.LS_KV, "the LongSpark layers' K/V rows")
+                    group.recv(mb.relay.hidden, src, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
+        with phase("forward"):
+            out = self._forward(mb, x)  # hidden [b, Γ+1, H] or logits
+        with phase("send") if not stage.last else phase("accept"):
+            self._after_forward(mb, out, sampled, proposal if stage.first else None)
+
+    def _forward(self, mb: _MicroBatch, x: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over the round's Γ + 1 tokens; on CUDA (use_cuda_graph) one CUDA graph per micro-batch,
+        captured at its first round: every input is one of the micro-batch's buffers."""
+        if mb.forward is None:
+            in_pass = (mb.selector.in_pass if self.stage.first else mb.chooser) if self.selection_layers else None
+            meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
+            run = partial(self.stage, x, mb.cache, meta, self.setup.backend, capture=mb.capture)
+            if not (self.setup.use_cuda_graph and self.device.type == "cuda"):
+                return run()
+            # The pass rewrites an in-pass set in place: the capture's warm-up runs start from the same set.
+            chosen = [in_pass.indices] if isinstance(in_pass, InPassSelector) else []
+            mb.forward = _StageForward(run, (x, mb.state.lengths, *([mb.indices] if mb.indices is not None else [])),
+                                       chosen)
+        return mb.forward(x, mb.indices)
+
+    def _after_forward(self, mb: _MicroBatch, out: torch.Tensor, sampled: bool, proposal: Proposal | None) -> None:
+        """The stage's messages after its forward: the next stage's inputs, or (the last stage) the verdict."""
+        stage, group = self.stage, self.group
         relayed = mb.relaying and not stage.first
         if relayed:
             mb.relay.pack_round(mb.state.lengths)
@@ -572,7 +730,8 @@ class PipelineDecoder:
             states = group.recv(torch.empty_like(_generator_states(mb.sampling)), 0, _Tag.STATES,
                                 "the sampling generator state")
             _set_generator_states(mb.sampling, states)
-        verdict = phases.accept(self.acceptors, Proposal(mb.tokens[:, 1:], probs), logits, mb.progress, mb.sampling)
+        verdict = phases.accept(self.acceptors, Proposal(mb.tokens[:, 1:], probs), logits, mb.progress, mb.sampling,
+                                self._acceptor)
         mb.verdict = torch.stack([verdict.accepted, verdict.next_tokens])  # [2, b]
         for rank in range(group.world - 1):
             group.send(mb.verdict, rank, _Tag.VERDICT)
@@ -581,35 +740,38 @@ class PipelineDecoder:
         if sampled:
             group.send(_generator_states(mb.sampling), 0, _Tag.STATES)
 
-    def _consume(self, mb: _MicroBatch, config: GenerationConfig) -> bool:
+    def _consume(self, mb: _MicroBatch, limit: int) -> bool:
         """Every stage: the micro-batch's verdict observed and committed; whether its next round runs (decided from
         the Progress, which every stage holds identically)."""
-        stage, group = self.stage, self.group
-        if not stage.last:
-            mb.verdict = group.recv(mb.inbox[_Tag.VERDICT], group.world - 1, _Tag.VERDICT, "the verdict")
-            if stage.first and self.selection_layers:  # mb.indices is the selector's buffer: both take the choice
-                mb.indices.copy_(group.recv(mb.inbox[_Tag.CHOSEN], group.world - 1, _Tag.CHOSEN,
-                                            "the set the pass chose"))
-            if stage.first and not mb.sampling.all_greedy:
-                states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
-                                    "the sampling generator state")
-                _set_generator_states(mb.sampling, states)
-            if stage.first and mb.relaying:  # before the drafter observes the round
-                group.recv(mb.relay.kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' K/V rows")
-                group.recv(mb.relay.hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
-                mb.relay.unpack_round(mb.state.lengths)
-        observers = [mb.drafter, mb.selector] if stage.first else []  # the order of Decoder.round
-        if mb.history is not None:
-            observers.append(mb.history)
-        phases.observe_and_commit(mb.tokens, Verdict(mb.verdict[0], mb.verdict[1]), mb.progress, mb.state,
-                                  mb.indices, mb.capture.queries if mb.capture is not None else {},
-                                  mb.relay.verify_hidden if mb.relay is not None else {}, observers,
-                                  self.setup.kernels.round_kernels)
+        stage, group, phase = self.stage, self.group, self._timer
+        with phase("wait"):
+            if not stage.last:
+                mb.verdict = group.recv(mb.inbox[_Tag.VERDICT], group.world - 1, _Tag.VERDICT, "the verdict")
+                if stage.first and self.selection_layers:  # mb.indices is the selector's buffer: both take the choice
+                    mb.indices.copy_(group.recv(mb.inbox[_Tag.CHOSEN], group.world - 1, _Tag.CHOSEN,
+                                                "the set the pass chose"))
+                if stage.first and not mb.sampling.all_greedy:
+                    states = group.recv(torch.empty_like(_generator_states(mb.sampling)), group.world - 1, _Tag.STATES,
+                                        "the sampling generator state")
+                    _set_generator_states(mb.sampling, states)
+                if stage.first and mb.relaying:  # before the drafter observes the round
+                    group.recv(mb.relay.kv, group.world - 1, _Tag.LS_KV, "the LongSpark layers' K/V rows")
+                    group.recv(mb.relay.hidden, group.world - 1, _Tag.LS_HIDDEN, "the LongSpark layers' hidden states")
+                    mb.relay.unpack_round(mb.state.lengths)
+        with phase("commit"):
+            observers = [mb.drafter, mb.selector] if stage.first else []  # the order of Decoder.round
+            if mb.history is not None:
+                observers.append(mb.history)
+            phases.observe_and_commit(mb.tokens, Verdict(mb.verdict[0], mb.verdict[1]), mb.progress, mb.state,
+                                      mb.indices, mb.capture.queries if mb.capture is not None else {},
+                                      mb.relay.verify_hidden if mb.relay is not None else {}, observers,
+                                      self.setup.kernels.round_kernels)
         mb.rounds += 1
         # Decoder.generate's stop rule, without polling: every stage decides after the same round.
-        going = mb.rounds < config.max_new_tokens and not mb.finish(mb.progress.active, mb.rounds)
+        going = mb.rounds < limit and not mb.finish(mb.progress.active, mb.rounds)
         if going:
-            self._score_history(mb)
+            with phase("history"):
+                self._score_history(mb)
         return going
 
     def _score_history(self, mb: _MicroBatch) -> None:
@@ -622,6 +784,11 @@ class PipelineDecoder:
                 mb.s_target[layer] = score  # the part's own buffer: read by this round's select
             else:
                 self.group.send(score.clone(), 0, _Tag.S_TARGET)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _generator_states(sampling: SlotSampling) -> torch.Tensor:

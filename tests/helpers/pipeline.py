@@ -135,7 +135,8 @@ def launch(world: int, job: Callable, payload: dict, out: Path, on_start: Callab
 def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **changes):
     from trtllm_dustin.runtime.pipeline import PipelineDecoder, PipelineSetup, layer_split
 
-    start, stop = layer_split(target.config.num_layers, group.world)[group.rank]
+    split = changes.get("layers") or layer_split(target.config.num_layers, group.world)
+    start, stop = split[group.rank]
     from trtllm_dustin.runtime.methods import METHODS
 
     stage = PipelineStage.from_model(target, start, stop, group.rank, group.world)
@@ -143,5 +144,5 @@ def pipeline_decoder(group, method: str, micro_batches: int, target, draft, **ch
     setup = PipelineSetup(method, stage, group, get_backend("reference"), BATCH, S_MAX, draft_config=draft.config,
                           draft=draft if group.first else None, gamma=GAMMA, draft_budget=12, dustin=DUSTIN,
                           micro_batches=micro_batches, longspark_config=spark.config if spark is not None else None,
-                          longspark=spark if group.first else None)
+                          longspark=spark if group.first else None, layers=changes.pop("layers", None))
     return PipelineDecoder(replace(setup, **changes))
