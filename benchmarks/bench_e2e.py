@@ -349,6 +349,14 @@ def main() -> None:
                         "from this engine (`trtllm-dustin build --model TARGET --draft DRAFT [--tune]`)")
     parser.add_argument("--profile-kernels", action="store_true",
                         help="also record per-kernel GPU time (torch.profiler) at the longest context of each method")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages: >= 2 runs every method pipeline-parallel "
+                        "over that many processes, one GPU each (pipeline_e2e.py; it starts them itself, or run it "
+                        "under torchrun --nproc-per-node PP)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="--pp: micro-batches in flight (>= --pp keeps "
+                        "every stage busy)")
+    parser.add_argument("--first-stage-layers", type=int, default=None, help="--pp: target layers of the first "
+                        "stage, which also drafts (the others split the rest evenly); default: an even split")
+    parser.add_argument("--pp-timeout", type=float, default=600.0, help="--pp: longest wait for a peer, in seconds")
     for flag, (_, about) in SWITCHES.items():
         parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
     args = parser.parse_args()
@@ -374,6 +382,16 @@ def main() -> None:
     unknown = sorted(set(args.tau_ratios) - set(args.methods))
     if unknown:
         raise SystemExit(f"--tau-ratios names {unknown}, which are not among --methods")
+    if args.pp < 1:
+        raise SystemExit(f"--pp {args.pp} must be >= 1 (1: one process)")
+    if args.pp > 1:  # every refusal before a rank starts
+        import pipeline_e2e
+
+        pipeline_e2e.check_args(args, PAIRS)
+        pipeline_e2e.launch(args, PAIRS)
+        return
+    if args.micro_batches != 1 or args.first_stage_layers is not None:
+        raise SystemExit("--micro-batches and --first-stage-layers split a pipeline; pass --pp 2 or more")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = PAIRS[args.pair]

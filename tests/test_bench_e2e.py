@@ -114,3 +114,51 @@ def test_stated_tau_is_the_papers_per_method() -> None:
     assert [llama.stated_tau(m) for m in ("classic", "magicdec", "dustin-h", "dustin-h-sparse-draft")] == \
         [2.7, 2.6, 2.8, 2.8]
     assert bench_e2e.PAIRS["qwen-7b"].stated_tau("classic") == 2.2
+
+
+def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> None:
+    """--pp 2 on the CPU (gloo): the script starts its two ranks, each times its own stage (the lighter first stage of
+    --first-stage-layers 1), and rank 0 writes one row per method and budget with every rank's layers, round time
+    and phases; the row's tokens/s is B * tau per round time (the slowest rank's), and the stated acceptance's draws
+    average near the stated tau."""
+    out = tmp_path / "pp.json"
+    env = os.environ | {"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--pp", "2",
+                           "--batches", "4", "--contexts", "48,64", "--rounds", "24", "--micro-batches", "2",
+                           "--first-stage-layers", "1", "--budget", "24,40", "--methods",
+                           "vanilla,classic,dustin-h,dustin-ip-sparse-draft", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["pp"] == 2 and data["layer_split"] == [[0, 1], [1, 3]] and data["micro_batches"] == 2
+    rows = data["rows"]
+    keys = {(r["method"], r["budget"], r["context"]) for r in rows}
+    assert keys == {(m, k, c) for c in (48, 64) for m, k in [("vanilla", None), ("classic", None)]
+                    + [(m, k) for m in ("dustin-h", "dustin-ip-sparse-draft") for k in (24, 40)]}
+    for r in rows:
+        assert r["rank_layers"] == [[0, 1], [1, 3]] and r["pp"] == 2
+        assert r["ms_per_round"] == max(r["rank_ms_per_round"]) > 0
+        tau = r.get("tau_stated", 1.0)
+        assert abs(r["tokens_per_s"] - 4 * tau / r["ms_per_round"] * 1e3) < 1e-6 * r["tokens_per_s"]
+        first, last = (set(p) for p in r["rank_phase_ms_per_round"])
+        assert {"draft", "forward", "send", "wait", "commit"} <= first and "accept" not in first
+        assert {"wait", "forward", "accept", "commit"} <= last and "draft" not in last
+        if r["method"] == "vanilla":
+            assert r["tau_realized"] == 1.0 and r["speedup_vs_vanilla"] == 1.0
+        else:  # 96 draws of the stated distribution (mean 2.8, sd about 1.1): within 0.5 of it
+            assert tau == 2.8 and abs(r["tau_realized"] - tau) < 0.5
+    assert data["gpus"] == [] and data["git_sha"] and data["command"].startswith("python")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pp", "2", "--methods", "longspark"], "--methods longspark: a LongSpark drafter on rank 0 runs blocks"),
+    (["--pp", "2", "--methods", "classic+fp8kv"], "--pp runs the draft cache in the weights' dtype"),
+    (["--pp", "2", "--first-stage-layers", "3", "--methods", "classic"],
+     "--first-stage-layers 3 must be between 1 and 2"),
+    (["--micro-batches", "2", "--methods", "classic"], "--micro-batches and --first-stage-layers split a pipeline"),
+    (["--pp", "0"], "--pp 0 must be >= 1"),
+])
+def test_pipeline_mode_refuses_what_it_cannot_run_before_starting(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--device", "cpu",
+                           *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
