@@ -135,6 +135,13 @@ PAIRS = {
                     _paper_sized(14, (0, 7, 14, 21), (6, 12, 18), (0, 3, 7, 10), 28)),
     "qwen-14b": Pair("preset:qwen2.5-14b", "preset:qwen2.5-0.5b", 3, 2.2,
                      _paper_sized(24, (0, 10, 20, 30), (6, 12, 18), (0, 3, 7, 10), 48)),
+    # The 70B-class pairs of the pipeline runs (--pp 4; one H200 cannot hold them): the family's stated tau, as the
+    # paper has no 70B-class row in Tables 10-11.
+    "llama-70b": Pair("preset:llama-3.3-70b", "preset:llama-3.2-1b", 3, 2.8,
+                      _paper_sized(40, (0, 16, 32, 48), (4, 8, 12), (0, 8, 16, 24), 80),
+                      method_tau={"classic": 2.7, "magicdec": 2.6}),
+    "qwen-72b": Pair("preset:qwen2.5-72b", "preset:qwen2.5-0.5b", 3, 2.2,
+                     _paper_sized(40, (0, 16, 32, 48), (6, 12, 18), (0, 3, 7, 10), 80)),
     "tiny": Pair("preset:tiny-llama", "preset:tiny-llama-draft", 3, 2.8,  # CPU smoke test of this script
                  DustinConfig(target_layers=(LayerHeads(1, (0, 3)),), draft_layers=(LayerHeads(1, (0, 2)),),
                               budget=48, m=8, n_recent=8, selection_layers=(LayerHeads(1, tuple(range(6))),))),

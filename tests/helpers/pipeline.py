@@ -81,7 +81,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, job: Callable, payloa
 
     record = {}
     try:
-        with PipelineGroup.from_env("cpu", timeout_s=payload.get("timeout_s", 60)) as group:
+        with PipelineGroup.from_env(payload.get("device", "cpu"), timeout_s=payload.get("timeout_s", 60)) as group:
             job(group, payload, record)
     except BaseException as e:  # recorded for the parent, which checks every rank's outcome
         record["error"] = f"{type(e).__name__}: {e}"
