@@ -133,7 +133,7 @@ RANGES: dict[str, Range] = {
     "batch_size": _POSITIVE, "max_new_tokens": _POSITIVE, "max_seq_len": _POSITIVE,
     "max_tokens": Range(1, 2**31 - 1, why="an INT32: Triton wraps a JSON number past 2147483647 around"),
     "prompt_tokens": _POSITIVE, "max_batch": _POSITIVE, "queue_size": _POSITIVE, "pp_size": _POSITIVE,
-    "micro_batches": _POSITIVE, "pp_timeout": _SECONDS,
+    "first_stage_layers": _POSITIVE, "micro_batches": _POSITIVE, "pp_timeout": _SECONDS,
     "prefill_chunk": _POSITIVE, "prefill_budget": Range(0, why="0: one chunk per step"), "prefix_block": _POSITIVE,
     "prefix_cache_mib": Range(0, why="0: no prefix caching"),
     "temperature": Range(0, real=True, why="0: greedy"),

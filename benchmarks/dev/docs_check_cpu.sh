@@ -47,6 +47,9 @@ step engines-load "$A python benchmarks/bench_engine_load.py --engine engines/sm
 step engines-build-pp2 "$A trtllm-dustin build --out engines/tiny-pp2 --model preset:tiny-llama --draft preset:tiny-llama-draft --pp-size 2 --dtype float32 --max-batch 4 --max-seq-len 512"
 step engines-torchrun-m "$A torchrun --nproc-per-node 2 -m trtllm_dustin.cli generate --engine engines/tiny-pp2 --method classic --prompt-tokens 64 --max-new-tokens 16 --batch-size 4 --device cpu"
 step engines-torchrun-no-python "$A torchrun --nproc-per-node 2 --no-python trtllm-dustin generate --engine engines/tiny-pp2 --method classic --prompt-tokens 64 --max-new-tokens 16 --batch-size 4 --micro-batches 2 --device cpu"
+step engines-build-pp2-first1 "$A trtllm-dustin build --out engines/tiny-pp2-first1 --model preset:tiny-llama --draft preset:tiny-llama-draft --pp-size 2 --first-stage-layers 1 --dtype float32 --max-batch 4 --max-seq-len 512"
+step engines-torchrun-first1 "$A torchrun --nproc-per-node 2 -m trtllm_dustin.cli generate --engine engines/tiny-pp2-first1 --method classic --prompt-tokens 64 --max-new-tokens 16 --batch-size 4 --device cpu"
+step engines-bench-pp2 "$A python benchmarks/bench_e2e.py --pair tiny --pp 2 --micro-batches 2 --first-stage-layers 1 --batches 4 --contexts 64 --rounds 8 --methods vanilla,classic,dustin-h --device cpu --out /tmp/pp2.json"
 step engines-s3 "$A cat > d.json <<'JSON'
 {\"schema_version\": 3, \"target_layers\": [{\"layer\": 12, \"heads\": [0, 4]}, {\"layer\": 24, \"heads\": [1]}],
  \"draft_layers\": [{\"layer\": 1, \"heads\": [0, 2]}], \"budget\": 96, \"m\": 16}
