@@ -395,6 +395,11 @@ def main() -> None:
         import pipeline_e2e
 
         pipeline_e2e.check_args(args, PAIRS)
+        target = PAIRS[args.pair].target.removeprefix("preset:")
+        from trtllm_dustin.models.presets import get_preset
+
+        args.longspark_layers = longspark_layers(get_preset(target).num_layers,
+                                                 PAIRS[args.pair].dustin.target_layers[0].layer)
         pipeline_e2e.launch(args, PAIRS)
         return
     if args.micro_batches != 1 or args.first_stage_layers is not None:

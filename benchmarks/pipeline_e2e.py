@@ -30,9 +30,12 @@ import torch
 import torch.distributed as dist
 from common import RESULTS, environment, save_json
 from stated_acceptance import StatedAcceptor, stated_acceptance
+from torch import nn
 
 from trtllm_dustin.kv_cache import available_memory
 from trtllm_dustin.models import load_model
+from trtllm_dustin.models.decoder import Block, Transformer
+from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, random_longspark
 from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.plugins.pdl import pdl_supported
 from trtllm_dustin.runtime.build import attention_backend
@@ -51,8 +54,8 @@ __all__ = ["check_args", "launch"]
 
 
 def check_args(args: argparse.Namespace, pairs: dict) -> None:
-    """--pp's refusals, before anything starts: methods the pipeline does not split, fp8 draft caches, LongSpark
-    drafters (rank 0 would need the blocks of target layers it does not hold), a bad split."""
+    """--pp's refusals, before anything starts: methods the pipeline does not split, fp8 draft caches, a bad
+    split."""
     for method in args.methods:
         if "+" in method:
             raise SystemExit(f"--methods {method}: --pp runs the draft cache in the weights' dtype; drop the suffix")
@@ -60,9 +63,6 @@ def check_args(args: argparse.Namespace, pairs: dict) -> None:
             pipeline_method(method)
         except Exception as e:  # the pipeline's own message names the methods it splits
             raise SystemExit(f"--methods {method}: {e}") from None
-        if METHODS[method].needs_longspark:
-            raise SystemExit(f"--methods {method}: a LongSpark drafter on rank 0 runs blocks of the target layers it "
-                             "reads, which --pp's rank 0 does not hold; run it without --pp")
     if args.engine is not None:
         raise SystemExit("--engine with --pp: the pipeline rows use random weights at the pair's shape; drop --engine")
     target = get_preset(pairs[args.pair].target.removeprefix("preset:"))
@@ -129,6 +129,34 @@ def _random_stage(config, start: int, stop: int, rank: int, world: int, device, 
     return stage.eval()
 
 
+def _random_longspark(stage: PipelineStage, config: LongSparkConfig, device, dtype, max_pos: int) -> LongSpark:
+    """Rank 0's random LongSpark drafter. Its blocks are target blocks: those of the layers this stage holds, and
+    fresh random ones of the layers it does not (a drafter from an engine would carry those blocks; here only their
+    shape matters), with the stage's embedding and a random final norm and head."""
+    c = stage.config
+    with torch.device("meta"):
+        donor = Transformer(c, max_pos, layers=range(0), embed=False, head=True).to(dtype)
+        fresh = {layer: Block(c).to(dtype) for layer in config.target_layers if not stage.owns(layer)}
+    donor = donor.to_empty(device=device)
+    fresh = {layer: block.to_empty(device=device) for layer, block in fresh.items()}
+    donor.embed = stage.embed
+    donor.layers = nn.ModuleList(stage.layers[layer - stage.start] if stage.owns(layer) else
+                                 fresh.get(layer, nn.Identity()) for layer in range(c.num_layers))
+    gen = torch.Generator(device=device).manual_seed(5)
+    with torch.no_grad():
+        for name, p in [*donor.named_parameters(), *((f"fresh.{n}", p) for b in fresh.values()
+                                                     for n, p in b.named_parameters())]:
+            if name.startswith(("embed.", "layers.")) and not name.startswith("fresh."):
+                continue  # the stage's own weights
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    donor.setup_rope()
+    return random_longspark(donor.requires_grad_(False).eval(), seed=2, **{
+        k: getattr(config, k) for k in ("target_layers", "window", "summary", "block")})
+
+
 def _rank(args: argparse.Namespace, pairs: dict) -> None:
     pair = pairs[args.pair]
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -146,11 +174,16 @@ def _rank(args: argparse.Namespace, pairs: dict) -> None:
         draft_config = get_preset(pair.draft.removeprefix("preset:")) if needs_draft else None
         draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model \
             if needs_draft and group.first else None
+        spark, spark_config = None, None
+        if any(METHODS[m].needs_longspark for m in args.methods):
+            spark_config = LongSparkConfig(target_layers=args.longspark_layers)
+            if group.first:
+                spark = _random_longspark(stage, spark_config, device, dtype, max_pos)
         backend = attention_backend(device, args.kernels)
         rows = []
         for batch in (int(b) for b in args.batches.split(",")):
             rows += _bench_batch(args, pair, group, stage, draft, draft_config, split, backend, batch, contexts,
-                                 dtype)
+                                 dtype, spark, spark_config)
         if group.first:
             _save(args, pair, split, rows, time.perf_counter() - t0, device)
         group.barrier()  # the ranks leave together, after rank 0 has written
@@ -172,7 +205,7 @@ def _longest(group, stage, draft_config, batch: int, contexts: list[int], margin
 
 
 def _bench_batch(args, pair, group, stage, draft, draft_config, split, backend, batch: int, contexts: list[int],
-                 dtype) -> list[dict]:
+                 dtype, spark, spark_config) -> list[dict]:
     gamma, rounds = pair.gamma, args.rounds
     margin = (rounds + 4) * (gamma + 1) + 64
     longest = _longest(group, stage, draft_config, batch, contexts, margin, dtype)
@@ -189,7 +222,8 @@ def _bench_batch(args, pair, group, stage, draft, draft_config, split, backend, 
             method, stage, group, backend, batch, S, draft_config=draft_config if METHODS[method].needs_draft
             else None, draft=draft if METHODS[method].needs_draft else None, gamma=gamma, dustin=dustin,
             micro_batches=args.micro_batches, kv_dtype=dtype, use_cuda_graph=cuda, kernels=args.kernels,
-            layers=tuple(split)))
+            layers=tuple(split), longspark_config=spark_config if METHODS[method].needs_longspark else None,
+            longspark=spark if METHODS[method].needs_longspark else None))
         with torch.inference_mode():  # random K/V: the attention reads what a prefilled cache would hold
             for mb in decoder.micro:
                 mb.cache.k.normal_()

@@ -4,14 +4,13 @@
 # benchmarks/results/pipeline_gpus/), each JSON with its command, GPUs, git SHA and date.
 #   bash benchmarks/run_pipeline_gpus.sh x2      # Llama-3.1-8B + 3.2-1B and Qwen2.5-14B + 0.5B at PP = 2
 #   bash benchmarks/run_pipeline_gpus.sh x4      # Llama-3.3-70B + 3.2-1B and Qwen2.5-72B + 0.5B at PP = 4
-# LongSpark methods are not in the --pp rows: rank 0 would need the blocks of target layers it does not hold.
 set -euo pipefail
 kind=${1:?usage: run_pipeline_gpus.sh x2|x4}
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$here/results/pipeline_gpus}
 mkdir -p "$out"
 cd "$here"
-methods=vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-sparse-draft
+methods=vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-sparse-draft,dustin-h-longspark
 python3 -m pytest -q -p no:cacheprovider -n 0 ../tests/test_pipeline_nccl.py 2>&1 | tee "$out/gpu_tests_$kind.txt"
 if [ "$kind" = x2 ]; then
   python3 bench_e2e.py --pair llama-8b --batches 16 --contexts 32768 --methods "$methods" --rounds 12 \

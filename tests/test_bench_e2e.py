@@ -118,7 +118,8 @@ def test_stated_tau_is_the_papers_per_method() -> None:
 
 def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> None:
     """--pp 2 on the CPU (gloo): the script starts its two ranks, each times its own stage (the lighter first stage of
-    --first-stage-layers 1), and rank 0 writes one row per method and budget with every rank's layers, round time
+    --first-stage-layers 1; the LongSpark drafter on rank 0 with blocks of layers rank 1 holds), and rank 0 writes
+    one row per method and budget with every rank's layers, round time
     and phases; the row's tokens/s is B * tau per round time (the slowest rank's), and the stated acceptance's draws
     average near the stated tau."""
     out = tmp_path / "pp.json"
@@ -126,7 +127,8 @@ def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> No
     done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--pp", "2",
                            "--batches", "4", "--contexts", "48,64", "--rounds", "24", "--micro-batches", "2",
                            "--first-stage-layers", "1", "--budget", "24,40", "--methods",
-                           "vanilla,classic,dustin-h,dustin-ip-sparse-draft", "--device", "cpu", "--out", str(out)],
+                           "vanilla,classic,dustin-h,dustin-ip-sparse-draft,dustin-h-longspark", "--device", "cpu",
+                           "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -134,7 +136,8 @@ def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> No
     rows = data["rows"]
     keys = {(r["method"], r["budget"], r["context"]) for r in rows}
     assert keys == {(m, k, c) for c in (48, 64) for m, k in [("vanilla", None), ("classic", None)]
-                    + [(m, k) for m in ("dustin-h", "dustin-ip-sparse-draft") for k in (24, 40)]}
+                    + [(m, k) for m in ("dustin-h", "dustin-ip-sparse-draft", "dustin-h-longspark")
+                       for k in (24, 40)]}
     for r in rows:
         assert r["rank_layers"] == [[0, 1], [1, 3]] and r["pp"] == 2
         assert r["ms_per_round"] == max(r["rank_ms_per_round"]) > 0
@@ -151,7 +154,7 @@ def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--pp", "2", "--methods", "longspark"], "--methods longspark: a LongSpark drafter on rank 0 runs blocks"),
+    (["--pp", "2", "--methods", "snapkv"], "--methods snapkv: "),
     (["--pp", "2", "--methods", "classic+fp8kv"], "--pp runs the draft cache in the weights' dtype"),
     (["--pp", "2", "--first-stage-layers", "3", "--methods", "classic"],
      "--first-stage-layers 3 must be between 1 and 2"),

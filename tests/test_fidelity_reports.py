@@ -87,3 +87,42 @@ def test_frontier_picks_the_cheapest_point_that_meets_the_goals(tmp_path: Path) 
                            text=True, cwd=BENCHMARKS, timeout=120).stdout
     assert "default: dustin-ip at k = 1024" in loose and "meets the goals" in loose
     assert plot_frontier.quality_means([summary])[(4096, "oracle", 512)] == pytest.approx(60.0)
+
+
+def test_paired_losses_separate_a_real_gap_from_noise(tmp_path: Path) -> None:
+    """baseline_cells.py --paired on a hand-made run: a method that is 1 point under Quest on every sample loses with
+    an interval below 0; one that loses 2 of 60 needles it shares with Quest, and wins 1 back, stays within noise; the
+    samples are matched by id, split records joined."""
+    sys.path.insert(0, str(BENCHMARKS / "dev"))
+    import baseline_cells
+
+    ids = [f"s{i}" for i in range(60)]
+
+    def record(task, method, budget, scores, part=slice(None)):
+        metric = baseline_cells.PRIMARY[task]
+        return {"task": task, "context": 4096, "method": method, "budget": budget, "samples": ids[part],
+                "per_sample": [{metric: x} for x in scores[part]]}
+
+    books_q = [0.36 + 0.001 * i for i in range(60)]
+    needle_q = [1.0] * 30 + [0.0] * 30
+    needle_m = [0.0, 0.0] + [1.0] * 28 + [1.0] + [0.0] * 29
+    records = [record("books", "quest", 512, books_q), record("books", "dip", 512, [x - 0.01 for x in books_q]),
+               record("needle", "quest", 512, needle_q), record("needle", "dip", 512, needle_m, slice(0, 25)),
+               record("needle", "dip", 512, needle_m, slice(25, None))]
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"records": records}))
+    samples = baseline_cells.per_sample(path)
+    assert len(samples["dip", "512", 4096, "needle"]) == 60
+    mean, low, high, n = baseline_cells.paired_interval(samples["dip", "512", 4096, "books"],
+                                                        samples["quest", "512", 4096, "books"])
+    assert n == 60 and abs(mean + 0.01) < 1e-9 and abs(low + 0.01) < 1e-9 and abs(high + 0.01) < 1e-9
+    mean, low, high, n = baseline_cells.paired_interval(samples["dip", "512", 4096, "needle"],
+                                                        samples["quest", "512", 4096, "needle"])
+    assert abs(mean + 1 / 60) < 1e-9 and low < mean < high and high > 0  # 2 lost, 1 won back
+    scores = {("dip", "512", 4096, "books"): 35.0, ("quest", "512", 4096, "books"): 36.0,
+              ("dip", "512", 4096, "needle"): 48.3, ("quest", "512", 4096, "needle"): 50.0}
+    lines = baseline_cells.paired_losses(scores, samples, "dip")
+    assert len(lines) == 2 and "books 4K k=512 vs quest: -1.0 [-1.0, -1.0] over 60 samples, shown by" in lines[0]
+    assert lines[1].startswith("needle 4K k=512 vs quest: -1.7 [") and lines[1].endswith("within the samples' noise")
+    with pytest.raises(ValueError, match="share no sample"):
+        baseline_cells.paired_interval({"a": 1.0}, {"b": 1.0})
