@@ -6,7 +6,9 @@ been prefilled (PipelineDecoder.bench: the caches hold random K/V, no prefill ru
 counts drawn from the stated distribution (stated_acceptance.py), as the single-process rows do. A method runs a
 warm-up bench (the CUDA graphs of the drafter and of each micro-batch's stage forward are captured there), a
 throughput pass and a profiling pass (each rank's phases: draft, select, wait, forward, send, accept, commit,
-history). A row's round time is the slowest rank's wall time over the timed rounds; its tokens/s is B * tau per
+history). Each row also gives the first stage's layer count that would balance its stages by those phases
+(`balanced_first_stage`), for a rerun with --first-stage-layers. A row's round time is the slowest rank's wall time
+over the timed rounds; its tokens/s is B * tau per
 round time at the stated tau, and what the rounds committed is kept beside it.
 
 Launch: `python benchmarks/bench_e2e.py --pp 2 ...` starts the P ranks itself (one per GPU, NCCL; gloo on the
@@ -46,6 +48,7 @@ from trtllm_dustin.runtime.pipeline import (
     PipelineGroup,
     PipelineSetup,
     PipelineStage,
+    balanced_first_stage,
     layer_split,
     pipeline_method,
 )
@@ -256,6 +259,7 @@ def _bench_batch(args, pair, group, stage, draft, draft_config, split, backend, 
                    "rank_ms_per_round": [e["ms"] / rounds for e in everyone],
                    "rank_layers": [e["layers"] for e in everyone],
                    "rank_phase_ms_per_round": [e["phases"] for e in everyone]}
+            row["balanced_first_stage_layers"] = _balanced(split, everyone, stage.config.num_layers)
             if decoder.gamma:
                 label = "stated tau (random weights)" if method not in args.tau_ratios else \
                     f"stated tau x measured ratio {ratio:.3f} (random weights)"
@@ -268,6 +272,21 @@ def _bench_batch(args, pair, group, stage, draft, draft_config, split, backend, 
         if cuda:
             torch.cuda.empty_cache()
     return rows
+
+
+def _balanced(split, everyone: list[dict], num_layers: int) -> dict:
+    """The first stage's layer count that would balance this row's stages (layers.balanced_first_stage), from its
+    profiled phases: one layer's forward from rank 0's (its embedding is a gather), rank 0's drafting and selection,
+    and the last stage's forward beyond its layers (the head) plus acceptance."""
+    first, last = everyone[0]["phases"], everyone[-1]["phases"]
+    layer_ms = first.get("forward", 0.0) / (split[0][1] - split[0][0])
+    first_extra = first.get("draft", 0.0) + first.get("select", 0.0)
+    last_layers = split[-1][1] - split[-1][0]
+    last_extra = max(0.0, last.get("forward", 0.0) - last_layers * layer_ms) + last.get("accept", 0.0)
+    if layer_ms <= 0:
+        return {"layers": None, "why": "no forward time was profiled"}
+    return {"layers": balanced_first_stage(num_layers, len(split), first_extra, layer_ms, last_extra),
+            "layer_ms": layer_ms, "first_extra_ms": first_extra, "last_extra_ms": last_extra}
 
 
 def _save(args, pair, split, rows: list[dict], wall_s: float, device) -> None:

@@ -10,6 +10,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$here/results/pipeline_gpus}
 mkdir -p "$out"
 cd "$here"
+balanced() {  # JSON METHOD -> the first stage's layer count that balanced that method's stages there
+  python3 -c "import json, sys; rows = [r for r in json.load(open(sys.argv[1]))['rows'] if r.get('method') == sys.argv[2]]; print(rows[0]['balanced_first_stage_layers']['layers'])" "$1" "$2"
+}
 methods=vanilla,classic,magicdec,dustin-h,dustin-h-sparse-draft,dustin-ip,dustin-ip-sparse-draft,dustin-h-longspark
 python3 -m pytest -q -p no:cacheprovider -n 0 ../tests/test_pipeline_nccl.py 2>&1 | tee "$out/gpu_tests_$kind.txt"
 if [ "$kind" = x2 ]; then
@@ -19,13 +22,18 @@ if [ "$kind" = x2 ]; then
     python3 bench_e2e.py --pp 2 --micro-batches "$micro" --pair llama-8b --batches 16 --contexts 32768 \
         --methods "$methods" --rounds 12 --out "$out/e2e_llama-8b_pp2_m$micro.json"
   done
-  python3 bench_e2e.py --pp 2 --micro-batches 2 --first-stage-layers 14 --pair llama-8b --batches 16 \
-      --contexts 32768 --methods "$methods" --rounds 12 --out "$out/e2e_llama-8b_pp2_m2_first14.json"
+  # the split that the M = 2 run's dustin-h phases say balances the stages (its balanced_first_stage_layers)
+  first=$(balanced "$out/e2e_llama-8b_pp2_m2.json" dustin-h)
+  python3 bench_e2e.py --pp 2 --micro-batches 2 --first-stage-layers "$first" --pair llama-8b --batches 16 \
+      --contexts 32768 --methods "$methods" --rounds 12 --out "$out/e2e_llama-8b_pp2_m2_balanced.json"
   python3 bench_e2e.py --pp 2 --micro-batches 2 --pair qwen-14b --batches 16 --contexts 32768 \
       --methods "$methods" --rounds 10 --out "$out/e2e_qwen-14b_pp2_m2.json"
 else
   for pair in qwen-72b llama-70b; do
     python3 bench_e2e.py --pp 4 --micro-batches 4 --pair "$pair" --batches 16 --contexts 32768 \
         --methods "$methods" --rounds 8 --out "$out/e2e_${pair}_pp4_m4.json"
+    first=$(balanced "$out/e2e_${pair}_pp4_m4.json" dustin-h)
+    python3 bench_e2e.py --pp 4 --micro-batches 4 --first-stage-layers "$first" --pair "$pair" --batches 16 \
+        --contexts 32768 --methods "$methods" --rounds 8 --out "$out/e2e_${pair}_pp4_m4_balanced.json"
   done
 fi

@@ -143,6 +143,8 @@ def test_pipeline_mode_runs_the_methods_over_two_processes(tmp_path: Path) -> No
         assert r["ms_per_round"] == max(r["rank_ms_per_round"]) > 0
         tau = r.get("tau_stated", 1.0)
         assert abs(r["tokens_per_s"] - 4 * tau / r["ms_per_round"] * 1e3) < 1e-6 * r["tokens_per_s"]
+        balanced = r["balanced_first_stage_layers"]
+        assert 1 <= balanced["layers"] <= 2 and balanced["layer_ms"] > 0 and balanced["first_extra_ms"] >= 0
         first, last = (set(p) for p in r["rank_phase_ms_per_round"])
         assert {"draft", "forward", "send", "wait", "commit"} <= first and "accept" not in first
         assert {"wait", "forward", "accept", "commit"} <= last and "draft" not in last

@@ -252,3 +252,20 @@ def test_served_from_an_engine_as_from_its_sources(engine_dir: Path, tmp_path: P
     sources = ServingConfig(model=TARGET, draft=DRAFT, dustin=DustinConfig.load(engine_dir / "dustin.json"),
                             methods=("dustin-h",), max_batch=2, max_seq_len=96, dtype="float32", weights_seed=3)
     assert answer(stored) == answer(sources)
+
+
+def test_the_balanced_split_equalises_the_slowest_stage() -> None:
+    """balanced_first_stage against hand-worked splits: with no extra work the even split; a drafting rank whose
+    drafting costs 10 layers' forward takes 11 of 32 layers at PP = 2 (11 + 10 against 21); a head worth 2 layers
+    on the last stage of 4 moves a layer to the first; ties keep the larger first stage."""
+    from trtllm_dustin.runtime.pipeline import balanced_first_stage
+
+    assert balanced_first_stage(32, 2, 0.0, 1.0) == 16
+    assert balanced_first_stage(32, 2, 10.0, 1.0) == 11
+    assert balanced_first_stage(32, 2, 9.0, 1.0) == 12  # 12 + 9 | 20 and 11 + 9 | 21 tie at 21: the larger
+    # a head worth 2 layers: 9 | 8 8 7 + 2 (slowest 9) beats the even 8 | 8 8 8 + 2 (10) and 10 | 8 7 7 + 2 (10)
+    assert balanced_first_stage(32, 4, 0.0, 1.0, last_extra_ms=2.0) == 9
+    assert balanced_first_stage(32, 4, 3.0, 1.0) == 6  # 6 + 3 | 9 9 8 and 5 + 3 | 9 9 9 tie at 9: the larger
+    assert balanced_first_stage(5, 1, 4.0, 1.0) == 5
+    with pytest.raises(ValueError, match="must be >= 0 and layer_ms 0"):
+        balanced_first_stage(32, 2, 1.0, 0.0)

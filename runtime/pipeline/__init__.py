@@ -11,7 +11,7 @@
 
 from trtllm_dustin.runtime.pipeline.decoder import PipelineBench, PipelineDecoder, PipelineSetup
 from trtllm_dustin.runtime.pipeline.group import DEFAULT_TIMEOUT_S, PipelineError, PipelineGroup, torchrun_world
-from trtllm_dustin.runtime.pipeline.layers import check_split, layer_split
+from trtllm_dustin.runtime.pipeline.layers import balanced_first_stage, check_split, layer_split
 from trtllm_dustin.runtime.pipeline.selection import (
     PIPELINE_METHODS,
     PipelineMethod,
@@ -22,5 +22,5 @@ from trtllm_dustin.runtime.pipeline.selection import (
 from trtllm_dustin.runtime.pipeline.stage import PipelineStage
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PIPELINE_METHODS", "PipelineBench", "PipelineDecoder", "PipelineError",
-           "PipelineGroup", "PipelineMethod", "PipelineSetup", "PipelineStage", "TargetHistory", "check_split",
-           "layer_split", "pipeline_method", "sum_in_order", "torchrun_world"]
+           "PipelineGroup", "PipelineMethod", "PipelineSetup", "PipelineStage", "TargetHistory", "balanced_first_stage",
+           "check_split", "layer_split", "pipeline_method", "sum_in_order", "torchrun_world"]

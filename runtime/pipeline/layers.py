@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from trtllm_dustin.config import ConfigError
 
-__all__ = ["check_split", "layer_split"]
+__all__ = ["balanced_first_stage", "check_split", "layer_split"]
 
 
 def layer_split(num_layers: int, pp_size: int, first: int | None = None) -> list[tuple[int, int]]:
@@ -54,3 +54,26 @@ def check_split(split: Sequence[Sequence[int]], num_layers: int, pp_size: int) -
         raise ConfigError(f"layer split {ranges} is not {pp_size} contiguous non-empty ranges covering the target's "
                           f"{num_layers} layers (runtime/pipeline/layers.py layer_split gives one)")
     return ranges
+
+
+def balanced_first_stage(num_layers: int, pp_size: int, first_extra_ms: float, layer_ms: float,
+                         last_extra_ms: float = 0.0) -> int:
+    """The first stage's layer count that best balances the stages, from a measured round: one target layer's
+    forward (`layer_ms`), the first stage's own work besides its layers (drafting and selection, `first_extra_ms`)
+    and the last stage's (the output head and acceptance, `last_extra_ms`). A stage's time is its layers' plus its
+    extra; the count minimises the slowest stage (ties: the larger count, nearer the even split)."""
+    if pp_size < 2:
+        return num_layers
+    if min(first_extra_ms, last_extra_ms) < 0 or layer_ms <= 0:
+        raise ValueError(f"balanced_first_stage: the extras ({first_extra_ms}, {last_extra_ms} ms) must be >= 0 and "
+                         f"layer_ms {layer_ms} > 0")
+
+    def slowest(first: int) -> float:
+        split = layer_split(num_layers, pp_size, first)
+        times = [(b - a) * layer_ms for a, b in split]
+        times[0] += first_extra_ms
+        times[-1] += last_extra_ms
+        return max(times)
+
+    counts = range(1, num_layers - pp_size + 2)
+    return min(counts, key=lambda n: (slowest(n), -n))
