@@ -37,6 +37,7 @@ from torch import nn
 from trtllm_dustin.kv_cache import available_memory
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Block, Transformer
+from trtllm_dustin.models.loading import _random_init
 from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, random_longspark
 from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.plugins.pdl import pdl_supported
@@ -119,15 +120,7 @@ def _random_stage(config, start: int, stop: int, rank: int, world: int, device, 
     with torch.device("meta"):
         stage = PipelineStage.create(config, start, stop, rank, world, max_pos).to(dtype)
     stage = stage.to_empty(device=device).requires_grad_(False)
-    gen = torch.Generator(device=device).manual_seed(seed + rank)
-    with torch.no_grad():
-        for name, p in stage.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.ndim == 1:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    _random_init(stage, seed + rank)  # load_model's random weights, on this stage's parts only
     stage.setup_rope()
     return stage.eval()
 

@@ -184,7 +184,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
 
 def _random_init(model: Transformer, seed: int) -> None:
     """N(0, 1/fan_in) weights on the model's device (fast on GPU); norms at 1, biases small."""
-    gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)  # a stage may have no embedding
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
