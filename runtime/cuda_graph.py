@@ -21,15 +21,21 @@ __all__ = ["CapturedStep", "PhaseGraphs"]
 class CapturedStep:
     """`fn(*static_inputs)`, captured in a CUDA graph on first use and replayed afterwards."""
 
-    def __init__(self, fn: Callable[..., Any], *static_inputs: torch.Tensor, warmup: int = 2) -> None:
+    def __init__(self, fn: Callable[..., Any], *static_inputs: torch.Tensor, warmup: int = 2,
+                 restore: tuple[torch.Tensor, ...] = ()) -> None:
+        """restore: buffers `fn` rewrites in place that its next run must start from unchanged (an in-pass set):
+        put back after each warm-up run, so that the first replay starts from what the caller left there."""
         if not all(t.is_cuda for t in static_inputs):
             raise ValueError("CUDA graphs need CUDA tensors; run eagerly on the CPU")
         self.static_inputs = static_inputs
+        saved = [t.clone() for t in restore]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmup):  # lets lazy initialisation (cuBLAS handles, Triton JIT) happen outside capture
                 fn(*static_inputs)
+                for t, before in zip(restore, saved, strict=True):
+                    t.copy_(before)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -45,7 +45,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from functools import partial
 
 import torch
 
@@ -60,6 +59,7 @@ from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.acceptor import Acceptor, Verdict
 from trtllm_dustin.runtime.build import build_runtime
+from trtllm_dustin.runtime.cuda_graph import CapturedStep
 from trtllm_dustin.runtime.drafter import Drafter, PrefillView, Proposal
 from trtllm_dustin.runtime.generation import GenerationConfig, GenerationResult, check_lengths
 from trtllm_dustin.runtime.methods import METHODS
@@ -220,7 +220,7 @@ class _MicroBatch:
     rounds: int = 0
     finish: phases.FinishCheck | None = None  # the stop rule, set when the slots begin
     verify_tokens: torch.Tensor | None = None  # the first stage: int64 [b, Γ+1], the forward's static input
-    forward: _StageForward | None = None  # this stage's forward, captured in a CUDA graph (CUDA only)
+    forward: CapturedStep | None = None  # this stage's forward, captured in a CUDA graph (CUDA only)
     # what this stage receives every round, allocated once (a micro-batch's next round starts only after its verdict,
     # by which time the previous round's messages have been read)
     inbox: dict[_Tag, torch.Tensor] = field(default_factory=dict)
@@ -253,35 +253,6 @@ class _Schedule:
     def advance(self) -> list[int | None]:
         self.stages = [self.ready.popleft() if self.ready else None] + self.stages[:-1]
         return self.stages
-
-
-class _StageForward:
-    """A micro-batch's stage forward in a CUDA graph: warmed up on a side stream and captured at its first round,
-    replayed after. `inputs` are the buffers it reads, which every later round must pass again (checked); `chosen`
-    are buffers the pass rewrites in place (an in-pass set), restored after each warm-up run so that the replay
-    starts from what the round started with."""
-
-    def __init__(self, run, inputs: tuple[torch.Tensor, ...], chosen: list[torch.Tensor]) -> None:
-        self.pointers = tuple(t.data_ptr() for t in inputs)
-        saved = [t.clone() for t in chosen]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisation (cuBLAS handles, Triton JIT) outside the capture
-                run()
-                for t, before in zip(chosen, saved, strict=True):
-                    t.copy_(before)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = run()
-
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
-        given = (x.data_ptr(), *(() if indices is None else (indices.data_ptr(),)))
-        if given != self.pointers[:1] + self.pointers[2:]:
-            raise RuntimeError("a captured stage forward was given other buffers than it was captured with")
-        self.graph.replay()
-        return self.out
 
 
 class _DtypeOf:
@@ -392,8 +363,6 @@ class PipelineDecoder:
             mb.inbox[_Tag.CHOSEN] = torch.empty(b, self.budget, dtype=torch.int32, device=self.device)
         if stage.first:
             mb.verify_tokens = torch.zeros(b, g1, dtype=long, device=self.device)
-            if self.budget is not None:  # a captured forward reads the set from one buffer
-                mb.inbox[_Tag.INDICES] = torch.zeros(b, self.budget, dtype=torch.int32, device=self.device)
         if not stage.last:
             mb.inbox[_Tag.VERDICT] = torch.empty(2, b, dtype=long, device=self.device)
         elif self.gamma:  # rejection sampling's q (read only by sampled rounds)
@@ -649,10 +618,7 @@ class PipelineDecoder:
                 mb.verify_tokens[:, 1:] = proposal.tokens
                 mb.tokens = x = mb.verify_tokens  # [b, Γ+1]
             with phase("select"):  # with S_target from the SRH stages
-                indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
-                if indices is not None and not self.selection_layers:  # in-pass: the selector's own buffer
-                    indices = mb.inbox[_Tag.INDICES].copy_(indices)
-                mb.indices = indices
+                mb.indices = self._select(mb)  # [b, k] or None: what every stage's verification reads
         else:
             src, inbox = stage.rank - 1, mb.inbox
             with phase("wait"):
@@ -670,18 +636,22 @@ class PipelineDecoder:
 
     def _forward(self, mb: _MicroBatch, x: torch.Tensor) -> torch.Tensor:
         """This stage's layers over the round's Γ + 1 tokens; on CUDA (use_cuda_graph) one CUDA graph per micro-batch,
-        captured at its first round: every input is one of the micro-batch's buffers."""
-        if mb.forward is None:
-            in_pass = (mb.selector.in_pass if self.stage.first else mb.chooser) if self.selection_layers else None
-            meta = AttentionMetadata(cache_seqlens=mb.state.lengths, indices=mb.indices, in_pass=in_pass)
-            run = partial(self.stage, x, mb.cache, meta, self.setup.backend, capture=mb.capture)
-            if not (self.setup.use_cuda_graph and self.device.type == "cuda"):
-                return run()
-            # The pass rewrites an in-pass set in place: the capture's warm-up runs start from the same set.
-            chosen = [in_pass.indices] if isinstance(in_pass, InPassSelector) else []
-            mb.forward = _StageForward(run, (x, mb.state.lengths, *([mb.indices] if mb.indices is not None else [])),
-                                       chosen)
-        return mb.forward(x, mb.indices)
+        captured at its first round (a CapturedStep: inputs in other buffers than the captured ones are copied in)."""
+        in_pass = (mb.selector.in_pass if self.stage.first else mb.chooser) if self.selection_layers else None
+        graphed = self.setup.use_cuda_graph and self.device.type == "cuda"
+        if mb.forward is None or not graphed:
+            def run(x: torch.Tensor, lengths: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+                meta = AttentionMetadata(cache_seqlens=lengths, indices=indices[0] if indices else None,
+                                         in_pass=in_pass)
+                return self.stage(x, mb.cache, meta, self.setup.backend, capture=mb.capture)
+
+            if not graphed:
+                return run(x, mb.state.lengths, *(() if mb.indices is None else (mb.indices,)))
+            # The pass rewrites an in-pass set in place: the warm-up runs put it back (the replay starts from it).
+            chosen = (in_pass.indices,) if isinstance(in_pass, InPassSelector) else ()
+            mb.forward = CapturedStep(run, x, mb.state.lengths, *(() if mb.indices is None else (mb.indices,)),
+                                      restore=chosen)
+        return mb.forward(x, mb.state.lengths, *(() if mb.indices is None else (mb.indices,)))
 
     def _after_forward(self, mb: _MicroBatch, out: torch.Tensor, sampled: bool, proposal: Proposal | None) -> None:
         """The stage's messages after its forward: the next stage's inputs, or (the last stage) the verdict."""
