@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import sys
 import time
@@ -31,10 +32,16 @@ def environment() -> dict:
     }
 
 
-def save_json(path: Path, payload: dict) -> None:
+def save_json(path: Path, payload: dict, quiet: bool = False) -> None:
+    """Write payload as JSON through a temporary file beside path, so that a reader (or a run killed at its deadline)
+    never sees half a file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def time_cuda(fn, iters: int = 50, warmup: int = 5) -> list[float]:

@@ -169,6 +169,15 @@ def main() -> None:
     draft_dtype = draft_kv_dtype(args.draft_kv_cache, dtype)
     documents = load_documents(args.prompts, target.tokenizer)
     rows = []
+    out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
+
+    def payload(complete: bool) -> dict:
+        return {**environment(), "target": target.source, "draft": args.draft,
+                "longspark": args.longspark or "packaged", "new_tokens": args.new_tokens,
+                "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
+                "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
+                "split": "test", "complete": complete, "rows": rows}
+
     for context in args.contexts:
         for family in args.families:
             prompts = windows(documents[family], context, args.docs)
@@ -203,6 +212,7 @@ def main() -> None:
                 if args.profile:  # batched rounds: the draft phase of one round of the whole batch
                     row["draft_ms_per_round"] = draft_ms / max(1, rounds_run)
                 rows.append(row)
+                save_json(out, payload(False), quiet=True)  # a run stopped by a deadline keeps its finished rows
                 extra = (f", ppl target {row_ppl['ppl_target_in_head']:.2f} draft "
                          f"{row_ppl['ppl_draft_in_head']:.2f} (head covers {row_ppl['head_coverage']:.3f}), top-1 "
                          f"agree {row_ppl['top1_agreement']:.3f}") if row_ppl else ""
@@ -210,12 +220,7 @@ def main() -> None:
                 at = f" k {budget}" if budget else ""
                 print(f"{family:6s} ctx {context:5d} {method}{at} gamma {gamma} T {temperature}: tau {tau:.3f} "
                       f"({len(prompts)} windows, {rounds} sequence-rounds){cost}{extra}", flush=True)
-    out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
-    save_json(out, {**environment(), "target": target.source, "draft": args.draft,
-                    "longspark": args.longspark or "packaged", "new_tokens": args.new_tokens,
-                    "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
-                    "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
-                    "split": "test", "rows": rows})
+    save_json(out, payload(True))
     cols = list(dict.fromkeys((r["method"], r["gamma"], r["temperature"], r["budget"]) for r in rows))
     table = ["| family | context | " + " | ".join(f"{m}{f' k={k}' if k else ''} Γ={g} T={t:g}" for m, g, t, k in cols)
              + " |", "|---|---|" + "---|" * len(cols)]

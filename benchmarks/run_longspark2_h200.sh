@@ -13,6 +13,14 @@
 #   bash benchmarks/run_longspark2_h200.sh tau NAME...       tau of each trained drafter beside the AR draft and the
 #                                                            packaged drafter, test split, Γ in $GAMMAS -> $OUT/
 #
+# A session's plan (about 1,300 s of the 1,800 s device budget). Calls follow each other within 30 s, or the
+# stash is gone. Before the first: `bash benchmarks/dev/prepare_carry.sh longspark2` and `... tree-on`.
+#   1. carry [".carry/a"]:  export GIT_SHA=<sha>; bash benchmarks/run_longspark2_h200.sh setup .carry/a/w.0
+#   2. carry [".carry/b"]:  ... setup .carry/b/*; ... regen 240; then the variants side by side, each in the
+#      background (`... train A 300 regen --anchor-from 3584 --position-decay 0.8 & ... train B 300 orig
+#      --position-decay 0.8 & wait`); the packaged drafter trained 700 s on orig, so say the budget beside tau
+#   3. tree-off here first (tau reads the packaged weights), no carry: resume the best variant
+#      (`... train A 600 regen ...`, same flags), then `... tau A B`
 # The real run's sizes are the defaults; the environment overrides them (a CPU check of every mode at a small size:
 # DEVICE=cpu SEQ=256 CONTEXT=192 NEW=64 DOCS=1 CONTEXTS=256 GAMMAS="3 7" BATCH=2 ...). TOKENS is a path, or "orig"
 # ($STASH/tokens.npy) or "regen" ($STASH/regen.npy).
