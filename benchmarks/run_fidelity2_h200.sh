@@ -10,6 +10,12 @@
 #               method on the test windows (eval_tau.py)
 #   quality C   the same runs with the config file C instead of a new search (a carried search output)
 #   needle-new  the generalisation run of the shipped default (after the stash calls)
+#   sweep C...  the default method (dustin-ip-sparse-draft) beside FullKV at each carried config C (say, the
+#               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
+#               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others
+#   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
+#   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
+#   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
 set -euo pipefail
 S=~/stash
 OUT=${OUT:-/tmp/out}
@@ -79,6 +85,26 @@ quality)
     --contexts 4096 8192 --docs 24 --batch-size 28 --out "$R/tau_fidelity2_h200.json" > "$R/tau_fidelity2_h200.log" 2>&1 \
     || echo "eval_tau failed or timed out: see its log"
   tail -8 "$R/tau_fidelity2_h200.log"
+  ;;
+sweep)
+  shift
+  [ $# -ge 1 ] || { echo "sweep C...: one or more config files"; exit 2; }
+  cat "$S"/gguf.? > "$GGUF"
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
+  install
+  gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
+  for config in "$@"; do
+    name=$(basename "$config" .json)
+    R=~/res_"$name"; rm -rf "$R"; mkdir -p "$R"
+    cp "$config" "$R/dustin_config.json"
+    (cd benchmarks && timeout "${SWEEP_SECONDS:-150}" python3 eval_quality.py --target "$GGUF" \
+      --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep --dustin-config "$R/dustin_config.json" \
+      --contexts 4096 8192 --budgets 512 1024 2048 --tasks books code needle vt qa \
+      --methods classic dustin-ip-sparse-draft --jobs 10 --out "$R/quality_$name.json" 2>&1 \
+      | tee "$R/quality_$name.log" | grep -E "finished|units in") || echo "$name: stopped or failed (see its log)"
+    tar czf "$OUT/sweep_$name.tgz" -C "$R" .
+  done
+  ls -la "$OUT"
   ;;
 needle-new)
   # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
