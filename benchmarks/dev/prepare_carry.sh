@@ -6,7 +6,8 @@
 #   bash benchmarks/dev/prepare_carry.sh longspark2   .carry/a/w.0 and .carry/b/{w.1, tokens.npy, test_prompts.npz}
 #                                                     for benchmarks/run_longspark2_h200.sh (two calls of <= 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh fidelity2    .carry/q/gguf.{0,1}, .carry/{test_prompts.npz,
-#                                                     quality_tasks.json.gz}, .whl/gguf-0.19.0 for run_fidelity2_h200.sh
+#                                                     quality_tasks.json.gz}, .whl/gguf-0.19.0 and the sweep's configs
+#                                                     .carry/c/recent{16,64,128}.json for run_fidelity2_h200.sh
 #   bash benchmarks/dev/prepare_carry.sh tree-on      leave the results and the packaged weights out of what a call
 #                                                     copies (the tree plus a carry must stay under 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh tree-off     put them back; always before a commit
@@ -46,8 +47,17 @@ fidelity2)
       --new-tokens 64 --tasks books code needle vt qa needle-new | tail -1
     gzip -f .carry/quality_tasks.json
   fi
+  # the sweep's configs: the packaged one at other recent windows (n_recent)
+  mkdir -p .carry/c
+  python - <<'PY'
+import json
+
+packaged = json.load(open("trtllm_dustin/weights/smollm2_draft/dustin.json"))
+for recent in (16, 64, 128):
+    json.dump({**packaged, "n_recent": recent}, open(f".carry/c/recent{recent}.json", "w"), indent=2)
+PY
   git rev-parse --short HEAD > .carry/git_sha
-  du -sh .carry/q .carry/*.gz .whl
+  du -sh .carry/q .carry/*.gz .whl .carry/c
   ;;
 tree-on)
   git rm -r -q --cached benchmarks/results trtllm_dustin/weights
