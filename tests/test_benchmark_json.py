@@ -32,3 +32,35 @@ def test_a_payload_that_cannot_be_written_keeps_the_previous_file(tmp_path: Path
         save_json(out, {"rows": [object()]}, quiet=True)
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tau.json"]
+
+
+def _run(path: Path, values: dict[tuple[str, int | None], list[float]]) -> Path:
+    """A quality JSON of books at 1024 tokens: one record per (method key, budget) over samples s0, s1, ..."""
+    records = [{"task": "books", "context": 1024, "key": key, "budget": budget,
+                "samples": [f"s{i}" for i in range(len(v))], "per_sample": [{"accuracy": x} for x in v]}
+               for (key, budget), v in values.items()]
+    path.write_text(json.dumps({"records": records}))
+    return path
+
+
+def test_paired_runs_against_fullkv_and_the_base(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dev"))
+    import paired_runs
+
+    full = [0.5, 0.25, 0.75, 0.5]
+    base = _run(tmp_path / "base.json", {("classic", None): full, ("ip", 128): [0.25, 0.25, 0.5, 0.5]})
+    other = _run(tmp_path / "r64.json", {("classic", None): [0.0] * 4, ("ip", 128): [0.5, 0.25, 0.75, 0.25]})
+    cells = paired_runs.per_sample(other, "/r64")
+    assert ("books", 1024, "classic", None) in cells and ("books", 1024, "ip/r64", 128) in cells
+    mean, lo, hi, n = paired_runs.paired({"a": 0.5, "b": 0.25}, {"a": 0.25, "b": 0.25, "c": 1.0})
+    assert (mean, n) == (12.5, 2) and 0.0 <= lo <= mean <= hi <= 25.0
+    monkeypatch.setattr(sys, "argv", ["paired_runs.py", str(base), f"r64={other}"])
+    paired_runs.main()
+    lines = {line.split(" | ")[3]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    # ip minus FullKV: (-0.25, 0, -0.25, 0) -> -12.5; the other run's ip is measured against the base's FullKV rows
+    # (its own, all 0, are ignored): (0, 0, 0, -0.25) -> -6.25, and minus the base's ip (0.25, 0, 0.25, -0.25) -> +6.25
+    assert "| -12.5 [-25.0, +0.0] (n 4) |" in lines["ip"]
+    assert "| -6.2 [" in lines["ip/r64"] and "(n 4) | +6.2 [" in lines["ip/r64"]
+    with pytest.raises(SystemExit, match="share no sample"):
+        paired_runs.paired({"a": 1.0}, {"b": 1.0})
