@@ -7,7 +7,7 @@
 #                                                     for benchmarks/run_longspark2_h200.sh (two calls of <= 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh fidelity2    .carry/q/gguf.{0,1}, .carry/{test_prompts.npz,
 #                                                     quality_tasks.json.gz}, .whl/gguf-0.19.0 and the sweep's configs
-#                                                     .carry/c/recent{16,64,128}.json for run_fidelity2_h200.sh
+#                                                     .carry/c/recent{16,64,128,256}.json for run_fidelity2_h200.sh
 #   bash benchmarks/dev/prepare_carry.sh tree-on      leave the results and the packaged weights out of what a call
 #                                                     copies (the tree plus a carry must stay under 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh tree-off     put them back; always before a commit
@@ -53,7 +53,7 @@ fidelity2)
 import json
 
 packaged = json.load(open("trtllm_dustin/weights/smollm2_draft/dustin.json"))
-for recent in (16, 64, 128):
+for recent in (16, 64, 128, 256):
     json.dump({**packaged, "n_recent": recent}, open(f".carry/c/recent{recent}.json", "w"), indent=2)
 PY
   git rev-parse --short HEAD > .carry/git_sha
