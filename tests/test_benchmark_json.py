@@ -34,10 +34,11 @@ def test_a_payload_that_cannot_be_written_keeps_the_previous_file(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tau.json"]
 
 
-def _run(path: Path, values: dict[tuple[str, int | None], list[float]]) -> Path:
-    """A quality JSON of books at 1024 tokens: one record per (method key, budget) over samples s0, s1, ..."""
-    records = [{"task": "books", "context": 1024, "key": key, "budget": budget,
-                "samples": [f"s{i}" for i in range(len(v))], "per_sample": [{"accuracy": x} for x in v]}
+def _run(path: Path, values: dict[tuple[str, int | None], list[float]], task: str = "books") -> Path:
+    """A quality JSON of one task at 1024 tokens: one record per (method key, budget) over samples s0, s1, ..."""
+    metric = {"books": "accuracy", "needle-new": "string_match"}[task]
+    records = [{"task": task, "context": 1024, "key": key, "budget": budget,
+                "samples": [f"s{i}" for i in range(len(v))], "per_sample": [{metric: x} for x in v]}
                for (key, budget), v in values.items()]
     path.write_text(json.dumps({"records": records}))
     return path
@@ -64,3 +65,25 @@ def test_paired_runs_against_fullkv_and_the_base(tmp_path: Path, capsys: pytest.
     assert "| -6.2 [" in lines["ip/r64"] and "(n 4) | +6.2 [" in lines["ip/r64"]
     with pytest.raises(SystemExit, match="share no sample"):
         paired_runs.paired({"a": 1.0}, {"b": 1.0})
+
+
+def test_paired_runs_reads_a_base_split_over_files(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base whose needle-new run is a file of its own: both files' FullKV rows are references."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dev"))
+    import paired_runs
+
+    base = _run(tmp_path / "base.json", {("classic", None): [0.5, 0.5], ("ip", 128): [0.5, 0.0]})
+    new = _run(tmp_path / "new.json", {("classic", None): [1.0, 1.0], ("quest", 128): [1.0, 0.0]}, "needle-new")
+    other = _run(tmp_path / "r64.json", {("classic", None): [1.0, 1.0], ("ip", 128): [1.0, 1.0]}, "needle-new")
+    monkeypatch.setattr(sys, "argv", ["paired_runs.py", str(base), f"r64={other}"])
+    with pytest.raises(SystemExit, match="no FullKV"):  # the one-file base has no needle-new reference
+        paired_runs.main()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["paired_runs.py", f"{base},{new}", f"r64={other}"])
+    paired_runs.main()
+    lines = {line.split(" | ")[0] + line.split(" | ")[3]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    # needle-new: ip/r64 minus FullKV (0, 0) -> +0.0; minus the base file 2's quest (0, 1) -> +50.0
+    assert "| +0.0 [+0.0, +0.0] (n 2) |" in lines["| needle-newip/r64"]
+    assert "quest: +50.0 [" in lines["| needle-newip/r64"]
+    assert "| -25.0 [" in lines["| booksip"]

@@ -4,17 +4,22 @@
 # Run in the repository root on the GPU machine; the calls follow each other within 30 s (the stash lives while the
 # machine is warm). Here first: `prepare_carry.sh longspark2`, `prepare_carry.sh fidelity2`, `device_session.sh pack`
 # (this machine: the carried folders, each under 64 MiB with the tree), then `prepare_carry.sh tree-on`.
+# Its first use (2026-12-05, an H100) and what it measured: benchmarks/results/longspark2/README.md. To wait for a
+# background job in a device command, use `wait` or its pid: `pgrep -f NAME` also matches the command's own shell.
 #
 #   pack          (here) .carry/s1 = {w.0, tokens.npy}; .carry/s2 = {w.1, test prompts, quality tasks, gguf wheel,
 #                 packaged LongSpark weights, git sha}; .carry/s3 = {packaged draft weights}; configs in .carry/c
 #   stash DIR     copy a carried folder's files into ~/stash
-#   work C...     join + install; LongSpark: regen, then variants A (regenerated data, anchors in the part the target
+#   work [C...]   join + install; LongSpark: regen, then variants A (regenerated data, anchors in the part the target
 #                 wrote, early slots weighted) and B (original data, early slots weighted) side by side; beside them
-#                 the sweep of the default method over the configs C -> $OUT/sweep_*.tgz, $OUT/longspark2_work.tgz
+#                 the sweep of the default method over the configs C, if any -> $OUT/sweep_*.tgz,
+#                 $OUT/longspark2_work.tgz
 #   finish S      resume A to S seconds, then tau of A, B and the packaged drafter -> $OUT/longspark2_finish.tgz
+#   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
+#   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
 S=~/stash
-case "${1:?usage: device_session.sh pack|stash DIR|work C...|finish SECONDS}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|finish SECONDS}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -39,15 +44,19 @@ work)
   L=~/ls_out; mkdir -p "$L"
   (
     OUT=$L bash benchmarks/run_longspark2_h200.sh regen "${REGEN_SECONDS:-200}" || echo "regen: exit $?"
-    variant_a=(--anchor-from 3584 --position-decay 0.8)
+    read -r -a extra_a <<< "${A_EXTRA:-}"  # more train-longspark flags for A (say, --anchor-stride 2)
+    variant_a=(--anchor-from 3584 --position-decay 0.8 "${extra_a[@]}")
     [ -f "$S/regen.npy" ] || { echo "no regenerated data: A trains on the original windows"; variant_a=(--position-decay 0.8); }
     OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${TRAIN_SECONDS:-280}" \
       "$([ -f "$S/regen.npy" ] && echo regen || echo orig)" "${variant_a[@]}" &
     OUT=$L bash benchmarks/run_longspark2_h200.sh train B "${TRAIN_SECONDS:-280}" orig --position-decay 0.8 &
     wait
   ) > "$L/work.log" 2>&1 &
-  SWEEP_TASKS="books code needle vt qa needle-new" SWEEP_JOBS=12 bash benchmarks/run_fidelity2_h200.sh sweep "$@" \
-    || echo "sweep: exit $?"
+  # 4 processes: on an H100 (80 GB) 12 of them beside two trainings ran out of memory (up to 15 GB each at batch 60)
+  if [ $# -ge 1 ]; then
+    SWEEP_TASKS="books code needle vt qa needle-new" SWEEP_JOBS=${SWEEP_JOBS:-4} \
+      bash benchmarks/run_fidelity2_h200.sh sweep "$@" || echo "sweep: exit $?"
+  fi
   wait
   tail -20 "$L/work.log"
   tar czf "$OUT/longspark2_work.tgz" -C "$L" .
@@ -61,13 +70,14 @@ finish)
   L=~/ls_out; mkdir -p "$L"
   trap 'tar czf "$OUT/longspark2_finish.tgz" -C "$L" .' EXIT
   tokens=$([ -f "$S/regen.npy" ] && echo regen || echo orig)
-  flags=(--position-decay 0.8); [ "$tokens" = regen ] && flags+=(--anchor-from 3584)
+  read -r -a extra_a <<< "${A_EXTRA:-}"
+  flags=(--position-decay 0.8 "${extra_a[@]}"); [ "$tokens" = regen ] && flags+=(--anchor-from 3584)
   OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${2:?finish SECONDS}" "$tokens" "${flags[@]}" > "$L/finish.log" 2>&1
   OUT=$L timeout "${TAU_SECONDS:-300}" bash benchmarks/run_longspark2_h200.sh tau A B >> "$L/finish.log" 2>&1 \
     || echo "tau: stopped (rows saved so far are kept)"
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work C...|finish SECONDS" >&2; exit 2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|finish SECONDS" >&2; exit 2
   ;;
 esac

@@ -4,6 +4,7 @@ run's, with a 95 % percentile bootstrap over the samples. It is how a config cha
 told apart from sampling noise when each run has a different --dustin-config.
 
     python benchmarks/dev/paired_runs.py base.json recent64=r64.json recent32=r32.json
+    python benchmarks/dev/paired_runs.py base.json,base_needle_new.json recent64=r64.json   # a base in two files
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def paired(a: dict[str, float], b: dict[str, float], draws: int = 2000,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("base", type=Path, help="the reference run (its FullKV rows are the reference of every run)")
+    parser.add_argument("base", help="the reference run (its FullKV rows are the reference of every run); several "
+                        "files joined by commas (a run and its separate needle-new run, say) are read as one run")
     parser.add_argument("others", nargs="*", help="NAME=PATH: a run whose methods are compared with the base's")
     args = parser.parse_args()
-    cells = per_sample(args.base, "")
+    cells = {}
+    for path in args.base.split(","):
+        cells.update(per_sample(Path(path), ""))
     names = []
     for other in args.others:
         name, sep, path = other.partition("=")
