@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / sub) for sub in ("", "dev")]
+import paired_runs  # noqa: E402
 from common import save_json  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def test_a_payload_that_cannot_be_written_keeps_the_previous_file(tmp_path: Path
 
 def _run(path: Path, values: dict[tuple[str, int | None], list[float]], task: str = "books") -> Path:
     """A quality JSON of one task at 1024 tokens: one record per (method key, budget) over samples s0, s1, ..."""
-    metric = {"books": "accuracy", "needle-new": "string_match"}[task]
+    metric = paired_runs.METRIC[task]
     records = [{"task": task, "context": 1024, "key": key, "budget": budget,
                 "samples": [f"s{i}" for i in range(len(v))], "per_sample": [{metric: x} for x in v]}
                for (key, budget), v in values.items()]
@@ -46,9 +47,6 @@ def _run(path: Path, values: dict[tuple[str, int | None], list[float]], task: st
 
 def test_paired_runs_against_fullkv_and_the_base(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dev"))
-    import paired_runs
-
     full = [0.5, 0.25, 0.75, 0.5]
     base = _run(tmp_path / "base.json", {("classic", None): full, ("ip", 128): [0.25, 0.25, 0.5, 0.5]})
     other = _run(tmp_path / "r64.json", {("classic", None): [0.0] * 4, ("ip", 128): [0.5, 0.25, 0.75, 0.25]})
@@ -70,9 +68,6 @@ def test_paired_runs_against_fullkv_and_the_base(tmp_path: Path, capsys: pytest.
 def test_paired_runs_reads_a_base_split_over_files(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A base whose needle-new run is a file of its own: both files' FullKV rows are references."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dev"))
-    import paired_runs
-
     base = _run(tmp_path / "base.json", {("classic", None): [0.5, 0.5], ("ip", 128): [0.5, 0.0]})
     new = _run(tmp_path / "new.json", {("classic", None): [1.0, 1.0], ("quest", 128): [1.0, 0.0]}, "needle-new")
     other = _run(tmp_path / "r64.json", {("classic", None): [1.0, 1.0], ("ip", 128): [1.0, 1.0]}, "needle-new")

@@ -15,10 +15,27 @@
 #                 the sweep of the default method over the configs C, if any -> $OUT/sweep_*.tgz,
 #                 $OUT/longspark2_work.tgz
 #   finish S      resume A to S seconds, then tau of A, B and the packaged drafter -> $OUT/longspark2_finish.tgz
+#                 (not run yet: the first session ran these two steps by hand, with other sizes)
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
 S=~/stash
+L=~/ls_out
+
+restore() {  # the commit sent and the packaged weights (left out of the device's tree by tree-on), from the stash
+  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
+  mkdir -p trtllm_dustin/weights "$L"
+  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+}
+
+variant_a() {  # A's data and flags: the regenerated windows with anchors in their written part, else the originals
+  read -r -a a_flags <<< "--position-decay 0.8 ${A_EXTRA:-}"
+  if [ -f "$S/regen.npy" ]; then
+    a_tokens=regen; a_flags+=(--anchor-from 3584)
+  else
+    a_tokens=orig; echo "no regenerated data: A trains on the original windows"
+  fi
+}
 case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|finish SECONDS}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
@@ -36,19 +53,13 @@ stash)
   ;;
 work)
   shift
-  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
-  mkdir -p trtllm_dustin/weights
-  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+  restore
   bash benchmarks/run_longspark2_h200.sh setup
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  L=~/ls_out; mkdir -p "$L"
   (
     OUT=$L bash benchmarks/run_longspark2_h200.sh regen "${REGEN_SECONDS:-200}" || echo "regen: exit $?"
-    read -r -a extra_a <<< "${A_EXTRA:-}"  # more train-longspark flags for A (say, --anchor-stride 2)
-    variant_a=(--anchor-from 3584 --position-decay 0.8 "${extra_a[@]}")
-    [ -f "$S/regen.npy" ] || { echo "no regenerated data: A trains on the original windows"; variant_a=(--position-decay 0.8); }
-    OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${TRAIN_SECONDS:-280}" \
-      "$([ -f "$S/regen.npy" ] && echo regen || echo orig)" "${variant_a[@]}" &
+    variant_a
+    OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${TRAIN_SECONDS:-280}" "$a_tokens" "${a_flags[@]}" &
     OUT=$L bash benchmarks/run_longspark2_h200.sh train B "${TRAIN_SECONDS:-280}" orig --position-decay 0.8 &
     wait
   ) > "$L/work.log" 2>&1 &
@@ -63,16 +74,11 @@ work)
   ls -la "$OUT"
   ;;
 finish)
-  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
-  mkdir -p trtllm_dustin/weights
-  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+  restore
   python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
-  L=~/ls_out; mkdir -p "$L"
   trap 'tar czf "$OUT/longspark2_finish.tgz" -C "$L" .' EXIT
-  tokens=$([ -f "$S/regen.npy" ] && echo regen || echo orig)
-  read -r -a extra_a <<< "${A_EXTRA:-}"
-  flags=(--position-decay 0.8 "${extra_a[@]}"); [ "$tokens" = regen ] && flags+=(--anchor-from 3584)
-  OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${2:?finish SECONDS}" "$tokens" "${flags[@]}" > "$L/finish.log" 2>&1
+  variant_a
+  OUT=$L bash benchmarks/run_longspark2_h200.sh train A "${2:?finish SECONDS}" "$a_tokens" "${a_flags[@]}" > "$L/finish.log" 2>&1
   OUT=$L timeout "${TAU_SECONDS:-300}" bash benchmarks/run_longspark2_h200.sh tau A B >> "$L/finish.log" 2>&1 \
     || echo "tau: stopped (rows saved so far are kept)"
   tail -15 "$L/finish.log"
