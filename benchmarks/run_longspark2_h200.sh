@@ -11,7 +11,8 @@
 #                                                            train (resumable to a larger SECONDS) -> $STASH/ls_NAME;
 #                                                            its record and loss curve -> $OUT/NAME/
 #   bash benchmarks/run_longspark2_h200.sh tau NAME...       tau of each trained drafter beside the AR draft and the
-#                                                            packaged drafter, test split, Γ in $GAMMAS -> $OUT/
+#                                                            packaged drafter (TAU_BASELINES=0: without them), test
+#                                                            split, Γ in $GAMMAS -> $OUT/
 #
 # A session's plan (about 1,300 s of the 1,800 s device budget). Calls follow each other within 30 s, or the
 # stash is gone. Before the first: `bash benchmarks/dev/prepare_carry.sh longspark2` and `... tree-on`.
@@ -84,10 +85,12 @@ tau)
   [ $# -ge 1 ] || { echo "tau NAME..."; exit 2; }
   read -r -a contexts <<< "$CONTEXTS"
   read -r -a gammas <<< "$GAMMAS"
-  python3 benchmarks/eval_tau.py --prompts "$STASH/test_prompts.npz" --methods classic longspark \
-      --temperatures 0 1 --contexts "${contexts[@]}" --gammas "${gammas[@]}" --docs "$DOCS" --device "$DEVICE" \
-      --new-tokens "$TAU_TOKENS" \
-      --out "$OUT/tau_packaged.json" 2>&1 | tail -3
+  if [ "${TAU_BASELINES:-1}" = 1 ]; then  # 0: the AR draft and the packaged drafter were measured on these windows
+    python3 benchmarks/eval_tau.py --prompts "$STASH/test_prompts.npz" --methods classic longspark \
+        --temperatures 0 1 --contexts "${contexts[@]}" --gammas "${gammas[@]}" --docs "$DOCS" --device "$DEVICE" \
+        --new-tokens "$TAU_TOKENS" \
+        --out "$OUT/tau_packaged.json" 2>&1 | tail -3
+  fi
   for name in "$@"; do
     python3 benchmarks/eval_tau.py --prompts "$STASH/test_prompts.npz" --longspark "$STASH/ls_$name/checkpoint" \
         --methods longspark --temperatures 0 1 --contexts "${contexts[@]}" --gammas "${gammas[@]}" \

@@ -5,6 +5,7 @@ parity, run in test_speculative.py and test_serving_inflight.py with the other m
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -254,3 +255,20 @@ def test_training_runs_resumes_and_round_trips(tmp_path) -> None:
     loaded = load_longspark(tmp_path / "run" / "checkpoint", target)
     assert loaded.config.target_layers == (0, 2) and loaded.config.window == 8
     assert set(loaded.state_dict()) == set(LongSpark(loaded.config, target).state_dict())
+
+
+def test_train_longspark_command_passes_every_rank(tmp_path, capsys) -> None:
+    """--lora-rank, --fuse-rank and --markov-rank reach the trained drafter's config (a wider fusion is one of the
+    measured variants of issue 38)."""
+    from trtllm_dustin.cli import main
+
+    np.save(tmp_path / "t.npy", np.random.default_rng(1).integers(2, 257, size=(2, 40)).astype(np.uint16))
+    assert main(["train-longspark", "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "spark"),
+                 "--target", "preset:tiny-llama", "--target-layers", "0,1", "--window", "8", "--summary", "2",
+                 "--block", "3", "--lora-rank", "3", "--fuse-rank", "5", "--markov-rank", "2", "--seq-len", "40",
+                 "--batch-size", "1", "--anchor-stride", "9", "--steps", "2", "--device", "cpu"]) == 0
+    record = json.loads((tmp_path / "spark" / "training_record.json").read_text())
+    assert (record["config"]["lora_rank"], record["config"]["fuse_rank"], record["config"]["markov_rank"]) == (3, 5, 2)
+    target = load_model("preset:tiny-llama", dtype=torch.float32, seed=0).model
+    spark = load_longspark(tmp_path / "spark" / "checkpoint", target)
+    assert (spark.fuse_down.shape[0], spark.markov_out.shape[1], spark.blocks[0].wo.down.shape[0]) == (5, 2, 3)

@@ -321,7 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("window", "recent target KV rows per layer and head (W)"),
                        ("summary", "summary entries per layer and KV head (R)"),
                        ("block", "draft slots per block: the most tokens a round can propose"),
-                       ("lora_rank", "rank of each block's adapters"), ("seq_len", "tokens per training window"),
+                       ("lora_rank", "rank of each block's adapters"),
+                       ("fuse_rank", "rank of the boundary-state fusion (the hidden size: full rank)"),
+                       ("markov_rank", "rank of the per-slot Markov (bigram) correction"),
+                       ("seq_len", "tokens per training window"),
                        ("batch_size", "windows per step"), ("anchor_stride", "positions between anchors"),
                        ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
                        ("seed", "initialisation, data order and anchors")):
@@ -397,7 +400,8 @@ def _train_longspark(args: argparse.Namespace) -> int:
                           f"--out {args.tokens} --seq-len {args.seq_len}`")
     layers = tuple(int(i) for i in args.target_layers.split(",") if i.strip())
     cfg = LongSparkTrainConfig(target_layers=layers, window=args.window, summary=args.summary, block=args.block,
-                               lora_rank=args.lora_rank, seq_len=args.seq_len, batch_size=args.batch_size,
+                               lora_rank=args.lora_rank, fuse_rank=args.fuse_rank, markov_rank=args.markov_rank,
+                               seq_len=args.seq_len, batch_size=args.batch_size,
                                anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
                                warmup=min(100, args.steps // 10), position_decay=args.position_decay,
                                anchor_from=args.anchor_from)

@@ -16,6 +16,12 @@
 #                 $OUT/longspark2_work.tgz
 #   finish S      resume A to S seconds, then tau of A, B and the packaged drafter -> $OUT/longspark2_finish.tgz
 #                 (not run yet: the first session ran these two steps by hand, with other sizes)
+#   variants S NAME=FLAGS...
+#                 join + install; train each named variant on the original windows for S seconds, side by side
+#                 (FLAGS: train-longspark flags, say "C=--lora-rank 256 --fuse-rank 576") -> $OUT/variants.tgz
+#   tau NAME... [-- C...]
+#                 tau of the named variants (TAU_BASELINES=1 adds the AR draft and the packaged drafter); beside it
+#                 the sweep of the default method over the configs C, if any -> $OUT/tau.tgz, $OUT/sweep_*.tgz
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -36,7 +42,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|finish SECONDS}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -73,6 +79,38 @@ work)
   tar czf "$OUT/longspark2_work.tgz" -C "$L" .
   ls -la "$OUT"
   ;;
+variants)
+  seconds=${2:?variants SECONDS NAME=FLAGS...}; shift 2
+  restore
+  trap 'tar czf "$OUT/variants.tgz" -C "$L" .' EXIT
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  for spec in "$@"; do
+    name=${spec%%=*}
+    read -r -a flags <<< "${spec#*=}"
+    OUT=$L bash benchmarks/run_longspark2_h200.sh train "$name" "$seconds" orig "${flags[@]}" > "$L/train_$name.log" 2>&1 &
+  done
+  wait
+  tail -n 4 "$L"/train_*.log
+  ;;
+tau)
+  shift
+  names=()
+  while [ $# -ge 1 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
+  [ $# -ge 1 ] && shift  # the --
+  restore
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  trap 'tar czf "$OUT/tau.tgz" -C "$L" .' EXIT
+  OUT=$L TAU_BASELINES=${TAU_BASELINES:-0} timeout "${TAU_SECONDS:-400}" \
+    bash benchmarks/run_longspark2_h200.sh tau "${names[@]}" > "$L/tau.log" 2>&1 &
+  tau_pid=$!
+  if [ $# -ge 1 ]; then
+    SWEEP_TASKS="books code needle vt qa needle-new" SWEEP_JOBS=${SWEEP_JOBS:-4} \
+      bash benchmarks/run_fidelity2_h200.sh sweep "$@" || echo "sweep: exit $?"
+  fi
+  wait "$tau_pid" || echo "tau: exit $? (rows saved so far are kept)"
+  tail -n 12 "$L/tau.log"
+  ;;
 finish)
   restore
   python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
@@ -84,6 +122,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|finish SECONDS" >&2; exit 2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|finish S" >&2
+  exit 2
   ;;
 esac
