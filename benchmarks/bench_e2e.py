@@ -34,7 +34,7 @@ import argparse
 import csv
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -349,6 +349,8 @@ def main() -> None:
                         "(m carried over as the same share of the free slots; default: the pair's config's, 512)")
     parser.add_argument("--tau-ratios", default="", help="METHOD=R,...: that method's stated tau is the pair's times R "
                         "(a measured ratio of its tau to the autoregressive draft's on the real pair)")
+    parser.add_argument("--gamma", type=int, default=None, help="tokens proposed per round (default: the pair's, 3); "
+                        "the stated tau is drawn over Γ + 1 outcomes. LongSpark proposes at most its block (7)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
@@ -389,8 +391,18 @@ def main() -> None:
     unknown = sorted(set(args.tau_ratios) - set(args.methods))
     if unknown:
         raise SystemExit(f"--tau-ratios names {unknown}, which are not among --methods")
+    if args.gamma is not None and not 1 <= args.gamma <= 7:
+        raise SystemExit(f"--gamma {args.gamma} must be in [1, 7] (LongSpark's block proposes at most 7 tokens)")
+    stated = [args.tau or PAIRS[args.pair].stated_tau(split_method(m)[0]) * args.tau_ratios.get(m, 1.0)
+              for m in args.methods if METHODS[split_method(m)[0]].needs_draft]
+    gamma = args.gamma or PAIRS[args.pair].gamma
+    if any(t > gamma + 1 for t in stated):  # before the models load: stated_acceptance would refuse it later
+        raise SystemExit(f"--gamma {gamma}: a stated tau of {max(stated):.2f} cannot be reached; a round commits at "
+                         f"most Γ + 1 = {gamma + 1} tokens")
     if args.pp < 1:
         raise SystemExit(f"--pp {args.pp} must be >= 1 (1: one process)")
+    if args.pp > 1 and args.gamma is not None:
+        raise SystemExit("--gamma: the pipeline mode runs the pair's Γ; leave --gamma out with --pp")
     if args.pp > 1:  # every refusal before a rank starts
         import pipeline_e2e
 
@@ -406,7 +418,7 @@ def main() -> None:
         raise SystemExit("--micro-batches and --first-stage-layers split a pipeline; pass --pp 2 or more")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pair = PAIRS[args.pair]
+    pair = PAIRS[args.pair] if args.gamma is None else replace(PAIRS[args.pair], gamma=args.gamma)
     contexts = sorted(int(c) for c in args.contexts.split(","))
     t0 = time.perf_counter()
     max_pos = max(contexts) + 4096
