@@ -7,6 +7,8 @@ slot g's proposal distribution with the target's at L + 1 + g:
   and the correction alone;
 - top-1 agreement per slot (a greedy round accepts slot g only if slots 0..g all agree), beside the AR draft's top-1
   at the same positions (teacher-forced too: it sees every true token before L + 1 + g, which the block cannot);
+- the AR draft again with only the last W tokens before L (`--ar-windows`): how much context a next-token predictor
+  of this size needs, against the block's W window rows;
 - the same with one context input removed: no window rows (all invalid), no summary (every entry's bias -1e4), no
   boundary state (zeros), to show which input the proposals live on.
 
@@ -50,9 +52,13 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=8, help="positions between anchors (default: 8)")
     parser.add_argument("--longspark", default=None, help="LongSpark checkpoint (default: the packaged one)")
     parser.add_argument("--draft", default="smollm2-draft", help="AR draft (default: the packaged one)")
+    parser.add_argument("--ar-windows", type=int, nargs="*", default=[16, 64, 256],
+                        help="also the AR draft given only this many tokens before L (default: 16 64 256)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: print only)")
     args = parser.parse_args()
     data = np.load(args.prompts)
+    if any(w < 1 or w > args.first for w in args.ar_windows):
+        raise SystemExit(f"--ar-windows {args.ar_windows}: each must be in [1, --first = {args.first}]")
     short = [d for d in args.docs if d not in data or len(data[d]) < args.context]
     if short:
         raise SystemExit(f"--docs {short}: not in {args.prompts} or shorter than --context {args.context}")
@@ -74,6 +80,11 @@ def main() -> None:
         positions = anchors[:, None] + torch.arange(G)  # slot g predicts L + 1 + g: the AR draft's logits at L + g
         ar = draft.full_vocab(draft.forward_train(tokens).float())[:, positions].reshape(-1, G, teacher.shape[-1])
         rows["AR draft (sees every true token)"] = {"top1": slot_stats(teacher, ar)["top1"]}
+        for w in args.ar_windows:  # tokens [L - w, L + G): the draft's logits at L + g predict L + 1 + g
+            seqs = torch.stack([tokens[b, L - w: L + G] for b in range(len(args.docs)) for L in anchors.tolist()])
+            cut = torch.cat([draft.full_vocab(draft.forward_train(seqs[i: i + 64]).float())[:, w: w + G]
+                             for i in range(0, len(seqs), 64)])
+            rows[f"AR draft, only the last {w} tokens before L"] = {"top1": slot_stats(teacher, cut)["top1"]}
 
         window_rows = training.window_rows
         training.window_rows = lambda *a: (lambda r: (r[0], torch.zeros_like(r[1])))(window_rows(*a))
