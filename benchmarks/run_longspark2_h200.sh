@@ -85,7 +85,7 @@ tau)
   [ $# -ge 1 ] || { echo "tau NAME..."; exit 2; }
   read -r -a contexts <<< "$CONTEXTS"
   read -r -a gammas <<< "$GAMMAS"
-  if [ "${TAU_BASELINES:-1}" = 1 ]; then  # 0: the AR draft and the packaged drafter were measured on these windows
+  if [ "${TAU_BASELINES:-1}" = 1 ]; then  # 0: leave them out (earlier rows compare only at the same $DOCS)
     python3 benchmarks/eval_tau.py --prompts "$STASH/test_prompts.npz" --methods classic longspark \
         --temperatures 0 1 --contexts "${contexts[@]}" --gammas "${gammas[@]}" --docs "$DOCS" --device "$DEVICE" \
         --new-tokens "$TAU_TOKENS" \

@@ -152,7 +152,8 @@ RANGES: dict[str, Range] = {
     "position_decay": Range(0, 1, real=True, open_low=True, why="draft slot g's loss weight is this ** g; 1: alike"),
     "steps": _POSITIVE, "lr": Range(0, real=True, open_low=True),
     "head_vocab": _COUNT, "max_seconds": _SECONDS, "window": _POSITIVE, "summary": _POSITIVE, "block": _POSITIVE,
-    "lora_rank": _POSITIVE, "anchor_stride": _POSITIVE, "anchor_from": _POSITIVE,
+    "lora_rank": _POSITIVE, "fuse_rank": _POSITIVE, "markov_rank": _POSITIVE, "anchor_stride": _POSITIVE,
+    "anchor_from": _POSITIVE,
     # srh, arr, search
     "lengths": _POSITIVE, "depths": _SHARE, "needles": Range(3, why="the test needs three distinct needles"),
     "min_recall": _SHARE, "heads_per_layer": _POSITIVE, "batch": _POSITIVE, "documents": _POSITIVE,

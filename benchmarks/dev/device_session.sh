@@ -20,7 +20,8 @@
 #                 join + install; train each named variant on the original windows for S seconds, side by side
 #                 (FLAGS: train-longspark flags, say "C=--lora-rank 256 --fuse-rank 576") -> $OUT/variants.tgz
 #   tau NAME... [-- C...]
-#                 tau of the named variants (TAU_BASELINES=1 adds the AR draft and the packaged drafter); beside it
+#                 tau of the named variants (TAU_BASELINES=1 adds the AR draft and the packaged drafter: earlier
+#                 baseline rows compare only at the same $DOCS, the first run's used 12, the default is 16); beside it
 #                 the sweep of the default method over the configs C, if any -> $OUT/tau.tgz, $OUT/sweep_*.tgz
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
@@ -83,6 +84,9 @@ variants)
   seconds=${2:?variants SECONDS NAME=FLAGS...}; shift 2
   restore
   trap 'tar czf "$OUT/variants.tgz" -C "$L" .' EXIT
+  # the GGUF reader (its wheel travels in .carry/s2): without it the target does not load (the first try of this
+  # mode stopped there)
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
   bash benchmarks/run_longspark2_h200.sh setup > /dev/null
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   for spec in "$@"; do
