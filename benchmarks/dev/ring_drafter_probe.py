@@ -9,7 +9,8 @@ values go into a ring buffer of W rows per layer. The cost and the state then st
 LongSpark's do. A block of G slots at anchor L (slot 0: x_L; slot g: a learned mask embedding + F(hidden at
 L - 1), at position L + g) attends to the ring's rows [L - W, L) and to the block's slots (bidirectional), and
 slot g is scored against the target's distribution at L + g, as `training.longspark.anchor_logits` scores
-LongSpark's. There is no Markov correction here.
+LongSpark's. With --markov-rank r > 0 each slot adds LongSpark's per-slot rank-r bigram correction from the previous
+token (teacher-forced: the true one); the first run (git 91a9154) had none, which is --markov-rank 0.
 
 Trains for --seconds on the train windows (KL to the target at every anchor's slots, plus the band pass's own
 next-token KL at every --causal-stride position), then scores the test windows exactly as
@@ -17,7 +18,7 @@ next-token KL at every --causal-stride position), then scores the test windows e
 JSON goes to --out.
 
     python benchmarks/dev/ring_drafter_probe.py --tokens tokens.npy --prompts test_prompts.npz --seconds 280 \\
-        --out ring_probe.json      # GPU; --device cpu --seq-len 256 --context 192 --seconds 20: a CPU check
+        --out ring_probe.json      # GPU; --device cpu --seq-len 256 --context 256 --window 64 --seconds 20: a CPU check
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ READ = (3, 9, 15, 22, 29)  # the target layers whose hidden states feed F (LongS
 
 
 class RingDrafter(nn.Module):
-    def __init__(self, target, own_layers: tuple[int, ...], window: int, block: int) -> None:
+    def __init__(self, target, own_layers: tuple[int, ...], window: int, block: int, markov_rank: int) -> None:
         super().__init__()
         self.__dict__["target"] = target
         H = target.config.hidden_size
@@ -56,6 +57,17 @@ class RingDrafter(nn.Module):
         self.fuse = nn.Linear(len(READ) * H, H, bias=False)
         nn.init.normal_(self.fuse.weight, std=0.02 / math.sqrt(len(READ)))
         self.mask_embed = nn.Parameter(torch.zeros(H))
+        self.markov_rank = markov_rank
+        if markov_rank:  # LongSpark's correction: silu(embed(previous) @ in[g]) @ out^T, out zero at the start
+            self.markov_in = nn.Parameter(torch.randn(block, H, markov_rank) / math.sqrt(H))
+            self.markov_out = nn.Parameter(torch.zeros(target.config.vocab_size, markov_rank))
+
+    def markov(self, previous: torch.Tensor) -> torch.Tensor:
+        """previous [N, G] token ids -> the correction [N, G, V] fp32 (0 without one)."""
+        if not self.markov_rank:
+            return torch.zeros((), device=previous.device)
+        e = self.target.embed(previous).float()
+        return F.silu(torch.einsum("ngh,ghr->ngr", e, self.markov_in.float())) @ self.markov_out.float().T
 
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """F(hidden at p - 1) for every position p: [B, T, H] (zero at p = 0)."""
@@ -126,7 +138,8 @@ def block_loss(model, target, tokens, anchors, causal_stride, feats=None):
     slot_pos = anchors[:, None] + torch.arange(G, device=tokens.device)
     with torch.no_grad():
         teacher = target.head(feats["final"][:, slot_pos]).reshape(-1, G, target.config.vocab_size)
-    kl, top1 = kl_top1(teacher, target.head(s))
+    previous = tokens[:, slot_pos].reshape(-1, G)  # slot g's previous token: the true one at L + g
+    kl, top1 = kl_top1(teacher, target.head(s) + model.markov(previous))
     causal = torch.arange(0, tokens.shape[1] - 1, causal_stride, device=tokens.device)
     with torch.no_grad():
         t_causal = target.head(feats["final"][:, causal])
@@ -144,6 +157,8 @@ def main() -> None:
     parser.add_argument("--own-layers", default="0,10,20,29", help="target layers copied as the drafter's own")
     parser.add_argument("--window", type=int, default=256, help="ring rows W (default: 256)")
     parser.add_argument("--block", type=int, default=7, help="slots G (default: 7)")
+    parser.add_argument("--markov-rank", type=int, default=16, help="rank of the per-slot bigram correction; 0: "
+                        "none (default: 16, LongSpark's)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchor-stride", type=int, default=16)
     parser.add_argument("--causal-stride", type=int, default=4, help="band pass positions scored (default: 4)")
@@ -152,6 +167,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    for name in ("window", "block", "batch_size", "anchor_stride", "causal_stride"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.markov_rank < 0:
+        raise SystemExit(f"--markov-rank {args.markov_rank} must be >= 0 (0: no correction)")
     device = torch.device(args.device)
     data = np.load(args.tokens, mmap_mode="r")
     prompts = np.load(args.prompts)
@@ -166,7 +186,7 @@ def main() -> None:
     target.requires_grad_(False).eval()
     target.setup_rope()
     own = tuple(int(i) for i in args.own_layers.split(","))
-    model = RingDrafter(target, own, args.window, args.block).to(device)
+    model = RingDrafter(target, own, args.window, args.block, args.markov_rank).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     order = np.random.default_rng(0).permutation(data.shape[0])
@@ -202,6 +222,7 @@ def main() -> None:
         save_json(args.out, {**environment(), "steps": step, "seconds": time.perf_counter() - t0,
                              "first_loss": losses[0], "final_loss": float(np.mean(losses[-50:])),
                              "own_layers": list(own), "window": args.window, "block": args.block,
+                             "markov_rank": args.markov_rank,
                              "own_parameters": sum(p.numel() for p in params), "test_docs": args.docs,
                              "test_context": args.context, "test_blocks": int(top1.shape[0]), **result,
                              "loss_every_10_steps": [round(x, 4) for x in losses[::10]]})
