@@ -23,6 +23,9 @@
 #                 tau of the named variants (TAU_BASELINES=1 adds the AR draft and the packaged drafter: earlier
 #                 baseline rows compare only at the same $DOCS, the first run's used 12, the default is 16); beside it
 #                 the sweep of the default method over the configs C, if any -> $OUT/tau.tgz, $OUT/sweep_*.tgz
+#   probe S [FLAGS...]
+#                 join + install; dev/ring_drafter_probe.py for S seconds on the original windows (FLAGS: its options)
+#                 -> $OUT/ring_probe.json (its first run, by hand: benchmarks/results/longspark2/h100_run2/ring_probe/)
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -43,7 +46,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S [F...]|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -97,6 +100,14 @@ variants)
   wait
   tail -n 4 "$L"/train_*.log
   ;;
+probe)
+  seconds=${2:?probe SECONDS [FLAGS...]}; shift 2
+  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null
+  python3 benchmarks/dev/ring_drafter_probe.py --tokens "$S/tokens.npy" --prompts "$S/test_prompts.npz" \
+    --seconds "$seconds" --out "$OUT/ring_probe.json" "$@"
+  ;;
 tau)
   shift
   names=()
@@ -126,7 +137,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S [F...]|finish S" >&2
   exit 2
   ;;
 esac
