@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import COPY_BANDWIDTH, RESULTS, Clock, environment, save_json
+from common import RESULTS, Clock, copy_bandwidth, environment, save_json
 from stated_acceptance import StatedAcceptor, stated_acceptance
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
@@ -254,8 +254,10 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                 if spark is not None and METHODS[base].needs_longspark:
                     row["drafter_state_bytes"] = decoder.drafter.state_bytes()
             else:
-                floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / COPY_BANDWIDTH
-                row.update(floor_ms=floor * 1e3, fraction_of_floor=floor * 1e3 / ms)
+                bandwidth = copy_bandwidth()  # None off the H200: no floor rather than another card's
+                floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / bandwidth \
+                    if bandwidth else None
+                row.update(floor_ms=floor and floor * 1e3, fraction_of_floor=floor and floor * 1e3 / ms)
             if args.profile_kernels and device.type == "cuda" and context == max(c for c in contexts if c <= longest):
                 one = partial(decoder.round, progress, sampling, acceptor)
                 try:  # a profiler failure costs the profile, not the measured row

@@ -15,10 +15,21 @@ import torch
 from trtllm_dustin.build_engines.tune import graph_ms  # the engine build's tactic tuner times the same way
 from trtllm_dustin.provenance import git_sha
 
-__all__ = ["COPY_BANDWIDTH", "RESULTS", "Clock", "environment", "git_sha", "graph_ms", "save_json", "time_cuda"]
+__all__ = ["MEASURED_COPY_BANDWIDTH", "RESULTS", "Clock", "copy_bandwidth", "environment", "git_sha", "graph_ms",
+           "save_json", "time_cuda"]
 
-COPY_BANDWIDTH = 4.26e12  # bytes/s, device-to-device copy measured on the project's H200 (shared/GPU.md)
+# bytes/s, device-to-device copy measured on the project's GPUs (shared/GPU.md), by a part of the device name
+MEASURED_COPY_BANDWIDTH = {"H200": 4.26e12}
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def copy_bandwidth() -> float | None:
+    """The measured copy ceiling (bytes/s) of the GPU this process runs on, for bandwidth floors; None where none was
+    measured (another GPU, such as an H100, or the CPU): a floor is then left out, not quoted from another card."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((bandwidth for part, bandwidth in MEASURED_COPY_BANDWIDTH.items() if part in name), None)
 
 
 def environment() -> dict:
@@ -28,7 +39,7 @@ def environment() -> dict:
         "git_sha": git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "copy_bandwidth_bytes_per_s": COPY_BANDWIDTH,
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(),
     }
 
 

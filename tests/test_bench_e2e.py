@@ -84,7 +84,8 @@ def test_bench_e2e_runs_every_default_method_on_tiny_shapes(tmp_path: Path) -> N
     for (method, _), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["ms_per_round"] > 0 and row["speedup_vs_vanilla"] > 0
         if method == "vanilla":
-            assert row["speedup_vs_vanilla"] == 1 and 0 < row["fraction_of_floor"] and row["tau_realized"] == 1
+            # no floor on the CPU: the only measured copy ceiling is the H200's, and another device's is not quoted
+            assert row["speedup_vs_vanilla"] == 1 and row["fraction_of_floor"] is None and row["tau_realized"] == 1
         else:
             assert row["tau_stated"] == 2.8 and 1 <= row["tau_realized"] <= GAMMA + 1
             assert set(row["phase_ms_per_round"]) >= {"draft", "verify", "accept"}

@@ -11,6 +11,7 @@ import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / sub) for sub in ("", "dev")]
 import paired_runs  # noqa: E402
+import common  # noqa: E402
 from common import save_json  # noqa: E402
 
 
@@ -33,6 +34,20 @@ def test_a_payload_that_cannot_be_written_keeps_the_previous_file(tmp_path: Path
         save_json(out, {"rows": [object()]}, quiet=True)
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tau.json"]
+
+
+@pytest.mark.parametrize("device,bandwidth", [(None, None), ("NVIDIA H200", 4.26e12),
+                                              ("NVIDIA H100 80GB HBM3", None), ("NVIDIA A100-SXM4-80GB", None)])
+def test_the_copy_ceiling_is_quoted_only_for_the_gpu_it_was_measured_on(device: str | None,
+                                                                          bandwidth: float | None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Floors are bytes over the measured copy ceiling; an H100 run once recorded the H200's. Now any GPU without a
+    measured ceiling (and the CPU) records none, and the benchmarks leave their floors out."""
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: device is not None)
+    monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda *a: device)
+    assert common.copy_bandwidth() == bandwidth
+    env = common.environment()
+    assert env["copy_bandwidth_bytes_per_s"] == bandwidth and env["gpu"] == (device or "none (cpu)")
 
 
 def _run(path: Path, values: dict[tuple[str, int | None], list[float]], task: str = "books") -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import COPY_BANDWIDTH, RESULTS, environment, save_json  # noqa: E402
+from common import RESULTS, copy_bandwidth, environment, save_json  # noqa: E402
 
 from trtllm_dustin.build_engines.tune import ProjectionShape, decode_shapes, precompile, time_shape  # noqa: E402
 from trtllm_dustin.models.presets import get_preset  # noqa: E402
@@ -64,16 +64,25 @@ def bench_shape(shape: ProjectionShape, configs: list[LinearConfig]) -> dict:
     M, N, K = shape.rows, shape.n, shape.k
     moved = N * K * 2 + (M * K + M * N) * 2
     timing = time_shape(shape, configs, torch.device("cuda"))
-    timed = [{**asdict(cfg), "us": us, "copy_fraction": moved / COPY_BANDWIDTH / us * 1e6}
+    bandwidth = copy_bandwidth()  # None off the H200: no ceiling to compare with, the fractions are left out
+
+    def fraction(us: float) -> float | None:
+        return moved / bandwidth / us * 1e6 if bandwidth else None
+
+    timed = [{**asdict(cfg), "us": us, "copy_fraction": fraction(us)}
              for cfg, us in sorted(timing.kernel_us.items(), key=lambda item: item[1])]
     errors = [{**asdict(cfg), "error": why} for cfg, why in timing.failed.items()]
     row = {"name": shape.role, "M": M, "N": N, "K": K, "bias": shape.bias, "bytes": moved,
-           "cublas_us": timing.cublas_us, "cublas_copy_fraction": moved / COPY_BANDWIDTH / timing.cublas_us * 1e6,
+           "cublas_us": timing.cublas_us, "cublas_copy_fraction": fraction(timing.cublas_us),
            "configs": timed[:8] + errors[:8], "best": timed[0] if timed else None}
     best = row["best"]
+
+    def share(x: float | None) -> str:
+        return f"{x:.0%}" if x is not None else "n/a"
+
     print(f"{shape.role:15s} M={M:3d} N={N:6d} K={K:6d}  cublas {row['cublas_us']:7.1f} us "
-          f"({row['cublas_copy_fraction']:.0%})  best {best['us'] if best else float('nan'):7.1f} us "
-          f"({best['copy_fraction'] if best else 0:.0%}) {best}", flush=True)
+          f"({share(row['cublas_copy_fraction'])})  best {best['us'] if best else float('nan'):7.1f} us "
+          f"({share(best['copy_fraction'] if best else None)}) {best}", flush=True)
     return row
 
 
