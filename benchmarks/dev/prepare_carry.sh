@@ -8,8 +8,9 @@
 #   bash benchmarks/dev/prepare_carry.sh fidelity2    .carry/q/gguf.{0,1}, .carry/{test_prompts.npz,
 #                                                     quality_tasks.json.gz}, .whl/gguf-0.19.0 and the sweep's configs
 #                                                     .carry/c/recent{16,64,128,256}.json for run_fidelity2_h200.sh
-#   bash benchmarks/dev/prepare_carry.sh tree-on      leave the results and the packaged weights out of what a call
-#                                                     copies (the tree plus a carry must stay under 64 MiB)
+#   bash benchmarks/dev/prepare_carry.sh tree-on      leave the results and the packaged weights (not the Dustin
+#                                                     config) out of what a call copies (the tree plus a carry must
+#                                                     stay under 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh tree-off     put them back; always before a commit
 #
 # The session plans that use these files are in the two scripts' headers.
@@ -60,9 +61,14 @@ PY
   du -sh .carry/q .carry/*.gz .whl .carry/c
   ;;
 tree-on)
+  # the Dustin configs stay: random-weight runs read them (bench_e2e takes its placeholder depths from
+  # smollm2_draft/dustin.json); a weights folder with its configs but no weights would fail less clearly
+  configs=$(git ls-files 'trtllm_dustin/weights/*/dustin.json')
   git rm -r -q --cached benchmarks/results trtllm_dustin/weights
+  # shellcheck disable=SC2086
+  git reset -q HEAD -- $configs
   printf '/.carry/\n/benchmarks/results/\n/trtllm_dustin/weights/\n' > "$exclude"
-  echo "results and weights left out of the device's copy; run tree-off before committing"
+  echo "results and weights (but the Dustin config) left out of the device's copy; run tree-off before committing"
   ;;
 tree-off)
   git reset -q HEAD -- benchmarks/results trtllm_dustin/weights
