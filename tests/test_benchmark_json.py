@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / sub) for sub in ("", "dev")]
-import paired_runs  # noqa: E402
 import common  # noqa: E402
+import paired_runs  # noqa: E402
 from common import save_json  # noqa: E402
 
 
