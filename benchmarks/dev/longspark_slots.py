@@ -34,12 +34,16 @@ from trtllm_dustin.models import load_model  # noqa: E402
 from trtllm_dustin.models.longspark import load_longspark  # noqa: E402
 
 
+def kl_top1(teacher: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """teacher, logits [..., V] -> KL(teacher || logits) and top-1 agreement [...] (fp32)."""
+    t, s = F.log_softmax(teacher.float(), -1), F.log_softmax(logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1), (logits.argmax(-1) == teacher.argmax(-1)).float()
+
+
 def slot_stats(teacher: torch.Tensor, logits: torch.Tensor) -> dict[str, list[float]]:
     """teacher, logits [N, G, V] -> per-slot mean KL(teacher || logits) and top-1 agreement."""
-    t, s = F.log_softmax(teacher, -1), F.log_softmax(logits, -1)
-    kl = (t.exp() * (t - s)).sum(-1).mean(0)
-    top1 = (logits.argmax(-1) == teacher.argmax(-1)).float().mean(0)
-    return {"kl": [round(float(x), 4) for x in kl], "top1": [round(float(x), 4) for x in top1]}
+    kl, top1 = kl_top1(teacher, logits)
+    return {"kl": [round(float(x), 4) for x in kl.mean(0)], "top1": [round(float(x), 4) for x in top1.mean(0)]}
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, save_json  # noqa: E402
+from longspark_slots import kl_top1  # noqa: E402  (the same per-slot scores as the packaged drafter's)
 
 from trtllm_dustin.models import load_model  # noqa: E402
 from trtllm_dustin.models.decoder import RMSNorm  # noqa: E402
@@ -124,11 +125,6 @@ class RingDrafter(nn.Module):
                                                     block_mask))
             x = self._finish(layer, x, self._attend(q, k, v, band[None]))
         return x, s
-
-
-def kl_top1(teacher: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    t, s = F.log_softmax(teacher.float(), -1), F.log_softmax(logits.float(), -1)
-    return (t.exp() * (t - s)).sum(-1), (logits.argmax(-1) == teacher.argmax(-1)).float()
 
 
 def block_loss(model, target, tokens, anchors, causal_stride, feats=None):
