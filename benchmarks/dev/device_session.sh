@@ -23,9 +23,11 @@
 #                 tau of the named variants (TAU_BASELINES=1 adds the AR draft and the packaged drafter: earlier
 #                 baseline rows compare only at the same $DOCS, the first run's used 12, the default is 16); beside it
 #                 the sweep of the default method over the configs C, if any -> $OUT/tau.tgz, $OUT/sweep_*.tgz
-#   probe S [FLAGS...]
-#                 join + install; dev/ring_drafter_probe.py for S seconds on the original windows (FLAGS: its options)
-#                 -> $OUT/ring_probe.json (its first run, by hand: benchmarks/results/longspark2/h100_run2/ring_probe/)
+#   probe S NAME=FLAGS...
+#                 join + install; dev/ring_drafter_probe.py, one per name side by side, each training at most S more
+#                 seconds on the original windows (FLAGS: its options, say "ar=--mode ar --seconds 900"); a name run
+#                 again in a later call of the same warm machine resumes from its checkpoint -> $OUT/ring_NAME.json,
+#                 $OUT/ring_NAME.log (its first run, by hand: benchmarks/results/longspark2/h100_run2/ring_probe/)
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -46,7 +48,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S [F...]|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -98,11 +100,19 @@ variants)
   tail -n 4 "$L"/train_*.log
   ;;
 probe)
-  seconds=${2:?probe SECONDS [FLAGS...]}; shift 2
-  GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
+  seconds=${2:?probe SECONDS NAME=FLAGS...}; shift 2
+  restore  # the packaged drafters: the probe scores them beside its own
   bash benchmarks/run_longspark2_h200.sh setup > /dev/null
-  python3 benchmarks/dev/ring_drafter_probe.py --tokens "$S/tokens.npy" --prompts "$S/test_prompts.npz" \
-    --seconds "$seconds" --out "$OUT/ring_probe.json" "$@"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  for spec in "$@"; do
+    name=${spec%%=*}
+    read -r -a flags <<< "${spec#*=}"
+    python3 benchmarks/dev/ring_drafter_probe.py --tokens "$S/tokens.npy" --prompts "$S/test_prompts.npz" \
+      --stop-after "$seconds" --checkpoint "$L/ring_$name.pt" --out "$OUT/ring_$name.json" "${flags[@]}" \
+      > "$OUT/ring_$name.log" 2>&1 &
+  done
+  wait
+  tail -n 4 "$OUT"/ring_*.log
   ;;
 tau)
   shift
@@ -133,7 +143,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S [F...]|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|finish S" >&2
   exit 2
   ;;
 esac
