@@ -81,6 +81,7 @@ def test_greedy_scoring_gives_the_target_itself_one_plus_gamma(target) -> None:
     result, blocks = probe.score({"own": own, "late": late}, target, seqs, ["a/0", "b/0"], 12, 4)
     assert blocks == 2 * (22 - 4 - 12)
     assert result["own"]["top1"] == [1.0] * 4 and max(result["own"]["kl"]) < 1e-9
+    assert result["late"]["kl"][0] > 0.01
     assert result["own"]["tau"] == {"gamma1": 2.0, "gamma2": 3.0, "gamma3": 4.0}
     assert result["own"]["tau_by_family"]["a"]["gamma3"] == 4.0
     assert result["late"]["tau"]["gamma3"] < 3.0

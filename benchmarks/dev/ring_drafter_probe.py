@@ -247,7 +247,9 @@ def score(drafters: dict, target, seqs, docs, prompt_len, G):
         agree, kl = torch.cat(r["agree"]), torch.cat(r["kl"])
         per_doc = torch.stack(r["agree"])  # [docs, A, G]
         out[name] = {"top1": [round(float(v), 4) for v in agree.mean(0)],
-                     "kl": [round(float(v), 4) for v in kl.mean(0)], "tau": round_tau(agree),
+                     # None where a drafter's head leaves tokens out (the AR draft's: KL is infinite there)
+                     "kl": [round(float(v), 4) if torch.isfinite(v) else None for v in kl.mean(0)],
+                     "tau": round_tau(agree),
                      "tau_by_family": {f: round_tau(per_doc[[i for i, x in enumerate(families) if x == f]]
                                                     .reshape(-1, G)) for f in dict.fromkeys(families)}}
     return out, int(anchors.shape[0]) * seqs.shape[0]
