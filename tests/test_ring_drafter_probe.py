@@ -1,5 +1,5 @@
-"""benchmarks/dev/ring_drafter_probe.py: the band pass, the unrolled slots and the greedy-round scoring against
-references, on the tiny preset (CPU, float64)."""
+"""benchmarks/dev/ring_drafter_probe.py: the greedy-round scoring against references, and the block mode's shapes,
+on the tiny preset (CPU, float64). The drafter itself: tests/test_ring_drafter.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dev
 import ring_drafter_probe as probe  # noqa: E402
 
 from trtllm_dustin.models import load_model  # noqa: E402
-from trtllm_dustin.training.longspark import target_features  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,39 +21,6 @@ def target():
     model = load_model("preset:tiny-llama", dtype=torch.float64, seed=7).model.eval()
     model.setup_rope()
     return model
-
-
-def _drafter(target, window: int, mode: str = "ar", block: int = 4):
-    torch.manual_seed(0)
-    return probe.RingDrafter(target, (0, 2), window, block, 0, mode, read=(0, 1)).double()
-
-
-def test_the_band_pass_equals_dense_attention_over_the_last_w_positions(target) -> None:
-    model = _drafter(target, window=4)
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 11, h, 16, generator=g, dtype=torch.float64) for h in (6, 2, 2))
-    i, j = torch.arange(11)[:, None], torch.arange(11)[None, :]
-    reference = model._attend(q, k, v, ((j <= i) & (j > i - 4))[None])
-    torch.testing.assert_close(model._band(q, k, v), reference)
-    assert not torch.allclose(model._band(q, k, v), model._attend(q, k, v, (j <= i)[None]))  # the band does cut
-
-
-def test_the_unrolled_slots_repeat_the_causal_pass_when_the_ring_holds_every_position(target) -> None:
-    """At the start (F = 0, P = 0) slot g's input is its token's embedding, as the band pass's is at L + g; with a
-    ring as long as the sequence both read the same keys, so slot g's output is the band pass's at L + g. Once P is
-    nonzero the later slots read the drafter's own output and differ, and slot 0 does not."""
-    model = _drafter(target, window=16)
-    tokens = torch.randint(2, 250, (2, 14), generator=torch.Generator().manual_seed(2))
-    anchors = torch.tensor([3, 6, 9])
-    feats = target_features(target, tokens, model.read)
-    x, s = model(tokens, feats["hidden"], anchors)
-    slot_pos = anchors[:, None] + torch.arange(4)
-    torch.testing.assert_close(s, x[:, slot_pos].reshape(6, 4, -1))
-    with torch.no_grad():
-        model.own.weight.normal_(std=0.1)
-    _, s2 = model(tokens, feats["hidden"], anchors)
-    torch.testing.assert_close(s2[:, 0], s[:, 0])
-    assert (s2[:, 1:] - s[:, 1:]).abs().amax() > 1e-3
 
 
 def test_round_tau_counts_the_leading_agreements() -> None:
@@ -85,3 +51,28 @@ def test_greedy_scoring_gives_the_target_itself_one_plus_gamma(target) -> None:
     assert result["own"]["tau"] == {"gamma1": 2.0, "gamma2": 3.0, "gamma3": 4.0}
     assert result["own"]["tau_by_family"]["a"]["gamma3"] == 4.0
     assert result["late"]["tau"]["gamma3"] < 3.0
+
+
+def test_the_block_mode_shares_the_ring_pass_and_adds_its_markov_correction(target, monkeypatch) -> None:
+    """Block mode runs the same ring pass as the AR mode (same weights: the same outputs at every position), and its
+    slots' logits are the head's plus the per-slot Markov correction of the previous token (zero at the start)."""
+    monkeypatch.setattr(probe, "READ", (0, 1))
+    torch.manual_seed(0)
+    block = probe.build(target, "block", (0, 2), 6, 4, 3).double()
+    ar = probe.build(target, "ar", (0, 2), 6, 4, 3).double()
+    with torch.no_grad():
+        block.fuse.weight.normal_(std=0.05)
+    ar.load_state_dict(block.state_dict(), strict=False)
+    tokens = torch.randint(2, 250, (2, 16), generator=torch.Generator().manual_seed(2))
+    hidden = {i: torch.randn(2, 16, 96, dtype=torch.float64) for i in (0, 1)}
+    feats = {"hidden": hidden, "final": target.run_whole(tokens)[0]}
+    anchors = torch.tensor([4, 8])
+    logits, teacher, x = probe.slot_logits(block, target, tokens, anchors, feats)
+    _, _, x_ar = probe.slot_logits(ar, target, tokens, anchors, feats)
+    torch.testing.assert_close(x, x_ar)
+    assert logits.shape == teacher.shape == (4, 4, target.config.vocab_size)
+    with torch.no_grad():
+        block.markov_out.normal_()
+    shifted, _, _ = probe.slot_logits(block, target, tokens, anchors, feats)
+    previous = tokens[:, anchors[:, None] + torch.arange(4)].reshape(-1, 4)
+    torch.testing.assert_close(shifted - logits, block.markov(previous))

@@ -338,7 +338,39 @@ def build_parser() -> argparse.ArgumentParser:
     spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
     spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
                        "None: at --steps")
+    spark.add_argument("--stop-after", type=float, default=None, help="end this run after this many seconds, to be "
+                       "resumed by the same command (the cosine still spans --max-seconds); None: no such end")
     spark.set_defaults(func=_train_longspark)
+
+    from trtllm_dustin.training.ring_drafter import RingTrainConfig
+
+    defaults = RingTrainConfig()
+    ring = sub.add_parser("train-ring-drafter", help="train a ring drafter (own layers over a fixed ring of recent "
+                          "positions, fed with the target's hidden states) against its frozen target (GPU; resumable: "
+                          "rerun with the same --out)", formatter_class=DefaultsHelp)
+    ring.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
+    ring.add_argument("--out", type=Path, required=True,
+                      help="directory for checkpoint/, resume.pt, the training record and the loss curve")
+    ring.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
+    ring.add_argument("--read-layers", default=",".join(map(str, defaults.read_layers)),
+                      help="target layers whose hidden states feed each position")
+    ring.add_argument("--own-layers", default=",".join(map(str, defaults.own_layers)),
+                      help="target layers copied as the drafter's own layers at the start (their count: its depth)")
+    for name, text in (("window", "ring rows each position and slot attends to (W)"),
+                       ("block", "the most tokens a round proposes"),
+                       ("causal_stride", "ring-pass positions between scored ones"),
+                       ("seq_len", "tokens per training window"),
+                       ("batch_size", "windows per step"), ("anchor_stride", "positions between anchors"),
+                       ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
+                       ("seed", "initialisation, data order and anchors")):
+        ring.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
+    ring.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
+    ring.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
+    ring.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                      "None: at --steps")
+    ring.add_argument("--stop-after", type=float, default=None, help="end this run after this many seconds, to be "
+                      "resumed by the same command (the cosine still spans --max-seconds); None: no such end")
+    ring.set_defaults(func=_train_ring_drafter)
     return parser
 
 
@@ -407,7 +439,33 @@ def _train_longspark(args: argparse.Namespace) -> int:
                                anchor_from=args.anchor_from)
     cfg.drafter("")  # the drafter's own checks, before the target loads
     record = train_longspark(args.tokens, args.out, cfg, target_spec=args.target, device=device,
-                             max_seconds=args.max_seconds)
+                             max_seconds=args.max_seconds, stop_after=args.stop_after)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+def _train_ring_drafter(args: argparse.Namespace) -> int:
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.training.ring_drafter import RingTrainConfig, train_ring_drafter
+
+    device = args.device or _default_device()
+    if not args.tokens.is_file():
+        raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
+                          f"--out {args.tokens} --seq-len {args.seq_len}`")
+
+    def layers(text: str, option: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(i) for i in text.split(",") if i.strip())
+        except ValueError:
+            raise ConfigError(f"{option} {text!r}: give layer numbers separated by commas, e.g. 0,10,20,29") from None
+
+    cfg = RingTrainConfig(read_layers=layers(args.read_layers, "--read-layers"),
+                          own_layers=layers(args.own_layers, "--own-layers"), window=args.window, block=args.block,
+                          causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
+                          anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
+                          warmup=min(50, args.steps // 10))
+    record = train_ring_drafter(args.tokens, args.out, cfg, target_spec=args.target, device=device,
+                                max_seconds=args.max_seconds, stop_after=args.stop_after)
     print(json.dumps(record, indent=2))
     return 0
 

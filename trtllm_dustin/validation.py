@@ -147,13 +147,14 @@ RANGES: dict[str, Range] = {
     # serve
     "http_port": _PORT, "grpc_port": _PORT, "start_timeout": _SECONDS,
     "drain": Range(0, 3600, real=True, why="seconds the running requests get to finish at stop"),
-    # prepare-distill-data, regenerate-data, train-draft, train-longspark
+    # prepare-distill-data, regenerate-data, train-draft, train-longspark, train-ring-drafter
     "seq_len": _POSITIVE, "max_windows": _POSITIVE, "context": _POSITIVE, "new": _POSITIVE,
     "position_decay": Range(0, 1, real=True, open_low=True, why="draft slot g's loss weight is this ** g; 1: alike"),
     "steps": _POSITIVE, "lr": Range(0, real=True, open_low=True),
-    "head_vocab": _COUNT, "max_seconds": _SECONDS, "window": _POSITIVE, "summary": _POSITIVE, "block": _POSITIVE,
+    "head_vocab": _COUNT, "max_seconds": _SECONDS, "stop_after": _SECONDS, "window": _POSITIVE, "summary": _POSITIVE,
+    "block": _POSITIVE,
     "lora_rank": _POSITIVE, "fuse_rank": _POSITIVE, "markov_rank": _POSITIVE, "anchor_stride": _POSITIVE,
-    "anchor_from": _POSITIVE,
+    "anchor_from": _POSITIVE, "causal_stride": _POSITIVE,
     # srh, arr, search
     "lengths": _POSITIVE, "depths": _SHARE, "needles": Range(3, why="the test needs three distinct needles"),
     "min_recall": _SHARE, "heads_per_layer": _POSITIVE, "batch": _POSITIVE, "documents": _POSITIVE,

@@ -26,7 +26,7 @@
 #   probe S NAME=FLAGS...
 #                 join + install; dev/ring_drafter_probe.py, one per name side by side, each training at most S more
 #                 seconds on the original windows (FLAGS: its options, say "ar=--mode ar --seconds 900"); a name run
-#                 again in a later call of the same warm machine resumes from its checkpoint -> $OUT/ring_NAME.json,
+#                 again in a later call of the same warm machine resumes from ~/ls_out/ring_NAME -> $OUT/ring_NAME.json,
 #                 $OUT/ring_NAME.log (its first run, by hand: benchmarks/results/longspark2/h100_run2/ring_probe/)
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
@@ -108,7 +108,7 @@ probe)
     name=${spec%%=*}
     read -r -a flags <<< "${spec#*=}"
     python3 benchmarks/dev/ring_drafter_probe.py --tokens "$S/tokens.npy" --prompts "$S/test_prompts.npz" \
-      --stop-after "$seconds" --checkpoint "$L/ring_$name.pt" --out "$OUT/ring_$name.json" "${flags[@]}" \
+      --stop-after "$seconds" --train-dir "$L/ring_$name" --out "$OUT/ring_$name.json" "${flags[@]}" \
       > "$OUT/ring_$name.log" 2>&1 &
   done
   wait

@@ -1,0 +1,288 @@
+"""The ring drafter: a fixed-cost drafter with its own layers over a ring of the last W positions (issue 38).
+
+Every committed position p enters as x_p = embed(token p) + F(the target's hidden states at p - 1 of `read_layers`),
+which the target computed when it processed p - 1. The drafter's own layers (initialised as copies of target layers
+`own_layers`, trained) run causally over a band of the last W positions, and each layer keeps the keys and values of
+the positions it has seen in a ring. At serving time only the newly committed tokens of a round pass through the
+layers (`ingest`), so the cost of a round and the state stay fixed in the prefix.
+
+Proposals run one after another from the last committed position L (slot 0 is the ring pass's own output at L):
+slot g >= 1 enters as embed(its proposed token) + P(the drafter's output at slot g - 1), because the target's state
+there is not computed yet, and attends to the ring rows (L - W, L] and to the slots before it (`step`). The target's
+embedding, final norm and LM head are reused frozen. Measured as a probe (benchmarks/results/longspark2/README.md,
+third run): this design reaches the AR draft's greedy tau where the same layers as one parallel block do not.
+
+Two paths compute the same thing: `forward_train` (whole windows: the band pass plus every anchor's slots unrolled)
+and `ingest` + `step` (the serving path, position by position); tests hold them equal. F and P start at zero, so an
+untrained drafter is the copied target layers over the token embeddings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dustin.config import ConfigError, ModelConfig
+from trtllm_dustin.dustin_config import model_fingerprint
+from trtllm_dustin.models.decoder import RMSNorm, Transformer
+from trtllm_dustin.models.rope import apply_rope
+from trtllm_dustin.validation import load_versioned, versioned_json
+
+__all__ = ["RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState", "load_ring_drafter"]
+
+RING_SCHEMA_VERSION = 1
+_RETRAIN = "train one for it with `trtllm-dustin train-ring-drafter`"
+
+
+@dataclass(frozen=True)
+class RingDrafterConfig:
+    read_layers: tuple[int, ...]  # target layers whose hidden states at p - 1 feed position p
+    own_layers: tuple[int, ...]  # target layers copied as the drafter's own at the start (their count is its depth)
+    window: int = 256  # W: ring rows each slot attends to
+    block: int = 7  # the most tokens a round proposes
+    target_fingerprint: str = ""  # model_fingerprint of the target it was trained for ("" = any of its shape)
+
+    def __post_init__(self) -> None:
+        for name in ("read_layers", "own_layers"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+            if not getattr(self, name):
+                raise ConfigError(f"a ring drafter needs at least one of {name}")
+        for name in ("window", "block"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ring drafter {name}={getattr(self, name)} must be >= 1")
+
+    def check_target(self, target: ModelConfig) -> None:
+        bad = [x for x in self.read_layers + self.own_layers if not 0 <= x < target.num_layers]
+        if bad:
+            raise ConfigError(f"ring drafter layers {bad} do not exist in {target.name} ({target.num_layers} layers); "
+                              f"{_RETRAIN}")
+        if self.target_fingerprint and self.target_fingerprint != model_fingerprint(target):
+            raise ConfigError(f"this ring drafter was trained for another target than {target.name}; {_RETRAIN}")
+
+    def to_json(self) -> str:
+        return versioned_json(RING_SCHEMA_VERSION, asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "the ring drafter config") -> RingDrafterConfig:
+        return load_versioned(cls, text, (RING_SCHEMA_VERSION,), source, "retrain it with `trtllm-dustin "
+                              "train-ring-drafter`")
+
+
+@dataclass
+class RingState:
+    """A batch's ring: per own layer keys and values [B, C, H_kv, D] (row p % C holds position p), the position each
+    row holds [B, C] (-1: none), and per own layer the current round's slot keys and values [B, G, H_kv, D]. C = W +
+    block + 1, so that a round's newly committed rows (at most block + 1) never evict a row that one of them reads."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    slot_keys: list[torch.Tensor]
+    slot_values: list[torch.Tensor]
+
+
+class RingDrafter(nn.Module):
+    def __init__(self, config: RingDrafterConfig, target: Transformer) -> None:
+        super().__init__()
+        config.check_target(target.config)
+        self.config = config
+        self.__dict__["target"] = target  # frozen and shared: not a submodule (not saved, not trained)
+        H, eps = target.config.hidden_size, target.config.rms_norm_eps
+        self.layers = nn.ModuleList(copy.deepcopy(target.layers[i]).float().requires_grad_(True)
+                                    for i in config.own_layers)
+        self.read_norms = nn.ModuleList(RMSNorm(H, eps) for _ in config.read_layers)
+        self.fuse = nn.Linear(len(config.read_layers) * H, H, bias=False)  # F
+        self.own_norm = RMSNorm(H, eps)
+        self.own = nn.Linear(H, H, bias=False)  # P
+        nn.init.zeros_(self.fuse.weight)
+        nn.init.zeros_(self.own.weight)
+
+    # ---- pieces both paths use ---------------------------------------------------------------------------
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """F: the target's hidden states [..., len(read_layers), H] at p - 1 -> [..., H] for position p."""
+        parts = [norm(hidden[..., j, :].float()) for j, norm in enumerate(self.read_norms)]
+        return self.fuse(torch.cat(parts, dim=-1))
+
+    def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
+        att = layer.attention
+        Hq, Hkv, D = att.num_heads, att.num_kv_heads, att.head_dim
+        q, k, v = att.wqkv(layer.attention_norm(x)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        cos, sin = self.target.rope_cos[positions], self.target.rope_sin[positions]
+        shape = x.shape[:-1]
+        return (apply_rope(q.view(*shape, Hq, D), cos, sin), apply_rope(k.view(*shape, Hkv, D), cos, sin),
+                v.view(*shape, Hkv, D))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [N, S, Hq, D], k / v [N, K, Hkv, D], mask [N or 1, S, K] (True: read) -> [N, S, Hq * D]."""
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask[:, None])
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
+
+    @staticmethod
+    def _finish(layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + layer.attention.wo(attn)
+        return x + layer.feed_forward(layer.ffn_norm(x))
+
+    def _slot_input(self, tokens: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Slot g >= 1's input: its token's embedding + P(the drafter's output at slot g - 1)."""
+        return self.target.embed(tokens).float() + self.own(self.own_norm(previous))
+
+    # ---- training: whole windows -------------------------------------------------------------------------
+    def _band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Every position attends to the last W positions, itself included: q / k / v [B, T, H*, D] -> [B, T, Hq * D],
+        in chunks of W rows (each reads itself and the chunk before), so the cost is O(T W), not O(T^2)."""
+        B, T, W = q.shape[0], q.shape[1], self.config.window
+        pad = -T % W
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        n = (T + pad) // W
+
+        def chunks(t):
+            c = t.reshape(B, n, W, *t.shape[2:])
+            return torch.cat([torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1), c], dim=2)  # [B, n, 2W, ..]
+
+        i = torch.arange(W, device=q.device)[:, None]
+        j = torch.arange(2 * W, device=q.device)[None, :]
+        mask = ((j > i) & (j <= i + W))[None].expand(n, W, 2 * W).clone()  # key j - W in (i - W, i]
+        mask[0, :, :W] = False  # no chunk before the first
+        out = self._attend(q.reshape(B * n, W, *q.shape[2:]), chunks(k).reshape(B * n, 2 * W, *k.shape[2:]),
+                           chunks(v).reshape(B * n, 2 * W, *v.shape[2:]), mask.repeat(B, 1, 1))
+        return out.reshape(B, n * W, -1)[:, :T]
+
+    def forward_train(self, tokens: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T]; hidden [B, T, len(read_layers), H]: the target's hidden states at each position (position p
+        reads those at p - 1); anchors [A] with L + block <= T -> (the ring pass's outputs [B, T, H], every anchor's
+        slots [B * A, block, H]: slot 0 is the ring pass at L, slot g >= 1 unrolled from slot g - 1's output, with the
+        true tokens at L + g)."""
+        target, W, G = self.target, self.config.window, self.config.block
+        B, T = tokens.shape
+        A, device = anchors.shape[0], tokens.device
+        f = self.features(hidden)
+        x = target.embed(tokens).float() + torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
+        pos = torch.arange(T, device=device)
+        rows = anchors[:, None] - W + 1 + torch.arange(W, device=device)  # ring rows (L - W, L]
+        slot_pos = anchors[:, None] + torch.arange(G, device=device)  # [A, G]
+        ring = []
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, x, pos[None].expand(B, T))
+            ring.append((k[:, rows.clamp(min=0)].reshape(B * A, W, *k.shape[2:]),
+                         v[:, rows.clamp(min=0)].reshape(B * A, W, *v.shape[2:])))
+            x = self._finish(layer, x, self._band(q, k, v))
+        valid = (rows >= 0).repeat(B, 1)  # [B * A, W]
+        h = x[:, anchors].reshape(B * A, 1, -1)
+        outs, slot_kv = [h], [[] for _ in self.layers]
+        for g in range(1, G):
+            s = self._slot_input(tokens[:, slot_pos[:, g]].reshape(B * A, 1), h)
+            positions = slot_pos[:, g].repeat(B)[:, None]
+            mask = torch.cat([valid, torch.ones(B * A, g, dtype=torch.bool, device=device)], -1)[:, None]
+            for layer, (ring_k, ring_v), kv in zip(self.layers, ring, slot_kv, strict=True):
+                sq, sk, sv = self._qkv(layer, s, positions)
+                kv.append((sk, sv))
+                s = self._finish(layer, s, self._attend(sq, torch.cat([ring_k, *(a for a, _ in kv)], 1),
+                                                        torch.cat([ring_v, *(b for _, b in kv)], 1), mask))
+            h = s
+            outs.append(h)
+        return x, torch.cat(outs, dim=1)
+
+    # ---- serving: position by position -------------------------------------------------------------------
+    def new_state(self, batch: int, dtype: torch.dtype | None = None) -> RingState:
+        """An empty ring for `batch` sequences (every row holds no position)."""
+        layer = self.layers[0].attention
+        C, G = self.config.window + self.config.block + 1, self.config.block
+        device = self.fuse.weight.device
+        dtype = dtype or self.fuse.weight.dtype
+        shape = (batch, C, layer.num_kv_heads, layer.head_dim)
+        slot_shape = (batch, G, layer.num_kv_heads, layer.head_dim)
+        n = len(self.layers)
+        return RingState([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                         [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                         torch.full((batch, C), -1, dtype=torch.long, device=device),
+                         [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)],
+                         [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)])
+
+    def ingest(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor:
+        """Pass committed positions through the layers and write them into the ring: tokens / positions / valid
+        [B, n] (distinct ascending positions per row, invalid ones included, each valid one following the ring's
+        last), hidden [B, n, len(read_layers), H]
+        (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing (their outputs are
+        meaningless); a row whose entries are all invalid keeps its ring as it was."""
+        C, W = state.positions.shape[1], self.config.window
+        if tokens.shape[1] > C - W:
+            raise ValueError(f"ingest takes at most {C - W} positions at a time (block + 1), got {tokens.shape[1]}")
+        batch = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        rows = positions % C
+        x = self.target.embed(tokens).float() + self.features(hidden)
+        written = torch.where(valid, positions, state.positions[batch, rows])
+        state.positions[batch, rows] = written
+        # query at p reads the ring rows holding positions in (p - W, p]
+        held = state.positions[:, None, :]  # [B, 1, C]
+        mask = (held >= 0) & (held <= positions[:, :, None]) & (held > positions[:, :, None] - W)
+        for layer, ring_k, ring_v in zip(self.layers, state.keys, state.values, strict=True):
+            q, k, v = self._qkv(layer, x, positions)
+            keep = valid[:, :, None, None]
+            ring_k[batch, rows] = torch.where(keep, k.to(ring_k.dtype), ring_k[batch, rows])
+            ring_v[batch, rows] = torch.where(keep, v.to(ring_v.dtype), ring_v[batch, rows])
+            x = self._finish(layer, x, self._attend(q, ring_k.to(q.dtype), ring_v.to(q.dtype), mask))
+        return x
+
+    def step(self, state: RingState, g: int, tokens: torch.Tensor, previous: torch.Tensor, anchor: torch.Tensor
+             ) -> torch.Tensor:
+        """Slot g >= 1 of a round from anchor L [B] (the last committed position): tokens [B] (the proposal at L + g),
+        previous [B, H] (the drafter's output at slot g - 1) -> its output [B, H]. It reads the ring rows (L - W, L]
+        and the round's slots 1 .. g (its own keys and values are kept for the slots after it)."""
+        W = self.config.window
+        s = self._slot_input(tokens[:, None], previous[:, None])
+        positions = (anchor + g)[:, None]
+        held = state.positions
+        ring_ok = (held >= 0) & (held <= anchor[:, None]) & (held > anchor[:, None] - W)
+        slots_ok = torch.arange(1, self.config.block + 1, device=held.device)[None].expand(held.shape[0], -1) <= g
+        mask = torch.cat([ring_ok, slots_ok[:, : self.config.block]], dim=1)[:, None]  # [B, 1, C + G]
+        for layer, ring_k, ring_v, sk_all, sv_all in zip(self.layers, state.keys, state.values, state.slot_keys,
+                                                         state.slot_values, strict=True):
+            q, k, v = self._qkv(layer, s, positions)
+            sk_all[:, g - 1] = k[:, 0].to(sk_all.dtype)
+            sv_all[:, g - 1] = v[:, 0].to(sv_all.dtype)
+            keys = torch.cat([ring_k, sk_all], dim=1).to(q.dtype)
+            values = torch.cat([ring_v, sv_all], dim=1).to(q.dtype)
+            s = self._finish(layer, s, self._attend(q, keys, values, mask))
+        return s[:, 0]
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def save(self, directory: str | Path, record: dict | None = None) -> None:
+        """Write config.json and model.safetensors (the drafter's own weights only, bf16)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(self.config.to_json() + "\n")
+        tensors = {name: p.detach().to(torch.bfloat16).contiguous().cpu() for name, p in self.state_dict().items()}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        if record is not None:
+            (directory / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def load_ring_drafter(directory: str | Path, target: Transformer) -> RingDrafter:
+    """The ring drafter `RingDrafter.save` wrote to `directory`, for `target` (its config checked against the target
+    before any weight is read), in the target's dtype and on its device."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory}: no ring drafter there (config.json missing); write one with `trtllm-dustin "
+                          "train-ring-drafter`")
+    config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
+    config.check_target(target.config)
+    model = RingDrafter(config, target)
+    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    return model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()

@@ -1,0 +1,117 @@
+"""Train a ring drafter (trtllm_dustin/models/ring_drafter.py) against its frozen target.
+
+Knowledge distillation on the target's own next-token distributions over train-split windows (a token file from
+`trtllm-dustin prepare-distill-data`): per window the frozen target runs once, keeping its hidden states at the read
+layers; the drafter's ring pass runs over the whole window (every position reading the last W), and from anchors L
+every `anchor_stride` positions its slots are unrolled as they run at serving time (slot g from slot g - 1's own
+output, the tokens teacher-forced). Loss: KL(target || drafter) at T = 1, the slots' mean at the anchors plus the ring
+pass's mean at every `causal_stride`-th position (the ring pass is slot 0 of every position).
+
+The recipe measured as a probe (benchmarks/results/longspark2/README.md, third run: 1,230 s on an H100, greedy-round
+tau 2.99 / 4.39 at Γ = 3 / 7 against the AR draft's 3.02 / 4.52) is this command's defaults, with two differences:
+norms and other one-dimensional weights get no weight decay here, and the probe warmed up over 50 steps by time.
+Resumable through the loop it shares with LongSpark (training/windows.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import model_fingerprint
+from trtllm_dustin.models.decoder import Transformer
+from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig
+from trtllm_dustin.training.longspark import target_features
+from trtllm_dustin.training.windows import train_on_windows, write_trained
+
+__all__ = ["RingTrainConfig", "ring_loss", "train_ring_drafter"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RingTrainConfig:
+    read_layers: tuple[int, ...] = (3, 9, 15, 22, 29)  # SmolLM2-135M's 30 layers (LongSpark's)
+    own_layers: tuple[int, ...] = (0, 10, 20, 29)  # the copies the drafter starts from (the AR draft's init)
+    window: int = 256
+    block: int = 7
+    causal_stride: int = 2  # ring-pass positions scored per window
+    seq_len: int = 4096
+    batch_size: int = 4
+    anchor_stride: int = 16
+    anchor_from: int = 1
+    steps: int = 100000  # optimiser steps (usually bounded by max_seconds)
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("read_layers", "own_layers"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        for name in ("causal_stride", "seq_len", "batch_size", "anchor_stride", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.warmup >= self.steps:
+            raise ConfigError(f"warmup={self.warmup} must be below steps={self.steps}")
+        if self.seq_len < self.block + 2:
+            raise ConfigError(f"seq_len={self.seq_len} must exceed the block ({self.block}) + 1")
+        if not 1 <= self.anchor_from <= self.seq_len - self.block:
+            raise ConfigError(f"anchor_from={self.anchor_from} must be in [1, seq_len - block = "
+                              f"{self.seq_len - self.block}]")
+        self.drafter("")  # the drafter's own checks
+
+    def drafter(self, target_fingerprint: str) -> RingDrafterConfig:
+        return RingDrafterConfig(self.read_layers, self.own_layers, self.window, self.block, target_fingerprint)
+
+
+def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    t, s = F.log_softmax(teacher.float(), -1), F.log_softmax(student.float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def ring_loss(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+              causal_stride: int, correction: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One batch's loss: the mean KL of every anchor's slots plus the mean KL of the ring pass at every
+    causal_stride-th position. correction: previous tokens [N, G] -> a term added to the slots' logits (a dev
+    variant's; None: none)."""
+    read = model.config.read_layers
+    feats = target_features(target, tokens, read)
+    hidden = torch.stack([feats["hidden"][layer] for layer in read], dim=2)
+    x, slots = model.forward_train(tokens, hidden, anchors)
+    G = model.config.block
+    slot_pos = anchors[:, None] + torch.arange(G, device=tokens.device)
+    causal = torch.arange(0, tokens.shape[1] - 1, causal_stride, device=tokens.device)
+    with torch.no_grad():
+        teacher = target.head(feats["final"][:, slot_pos]).reshape(-1, G, target.config.vocab_size)
+        teacher_causal = target.head(feats["final"][:, causal])
+    logits = target.head(slots).float()
+    if correction is not None:
+        logits = logits + correction(tokens[:, slot_pos].reshape(-1, G))
+    return _kl(teacher, logits).mean() + _kl(teacher_causal, target.head(x[:, causal])).mean()
+
+
+def train_ring_drafter(tokens_file: str | Path, out_dir: str | Path, cfg: RingTrainConfig,
+                       target_spec: str | None = None, device: str = "cuda", max_seconds: float | None = None,
+                       save_every: float = 60.0, plot: bool = True, stop_after: float | None = None) -> dict:
+    """Train, resumably, and write out_dir/checkpoint (config.json + model.safetensors), the training record and
+    the loss curve (.npy and .png)."""
+
+    def build(target: Transformer) -> RingDrafter:
+        return RingDrafter(cfg.drafter(model_fingerprint(target.config)), target)
+
+    def loss(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        return ring_loss(model, target, tokens, anchors, cfg.causal_stride)
+
+    model, _, common, losses = train_on_windows(tokens_file, out_dir, cfg, build, loss, "the ring drafter",
+                                                target_spec, device, max_seconds, save_every,
+                                                stop_after=stop_after)
+    record = {"schema_version": SCHEMA_VERSION, **common}
+    write_trained(model, out_dir, record, losses, plot)
+    return record
