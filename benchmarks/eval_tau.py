@@ -31,6 +31,7 @@ import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only me
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
+from trtllm_dustin.models.ring_drafter import load_ring_drafter
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.generation import GenerationConfig
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--draft", default="smollm2-draft", help="default: the packaged distilled draft")
     parser.add_argument("--longspark", default=None,
                         help="LongSpark drafter of the longspark methods (default: the packaged one)")
+    parser.add_argument("--ring", default=None, help="ring drafter of the ring method: a directory from "
+                        "`trtllm-dustin train-ring-drafter` (its checkpoint/; default: none)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--gammas", type=int, nargs="+", default=[3])
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
@@ -146,6 +149,8 @@ def main() -> None:
                         help="the draft's KV cache dtype: the model's, or fp8 (e4m3; the target's stays the model's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if any(METHODS[m].needs_ring for m in args.methods) and args.ring is None:
+        raise SystemExit("--methods ring needs --ring DIR (a checkpoint of `trtllm-dustin train-ring-drafter`)")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_len = max(args.contexts) + args.new_tokens + max(args.gammas) + 8
@@ -157,6 +162,7 @@ def main() -> None:
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \
         if any(m.needs_draft for m in needs) or args.ppl else None
     longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
+    ring = load_ring_drafter(args.ring, target.model) if any(m.needs_ring for m in needs) else None
     backend = attention_backend(device)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     if dustin is None and any(METHODS[m].needs_dustin for m in args.methods) and args.target is None \
@@ -173,7 +179,7 @@ def main() -> None:
 
     def payload(complete: bool) -> dict:
         return {**environment(), "target": target.source, "draft": args.draft,
-                "longspark": args.longspark or "packaged", "new_tokens": args.new_tokens,
+                "longspark": args.longspark or "packaged", "ring": args.ring, "new_tokens": args.new_tokens,
                 "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                 "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
                 "split": "test", "complete": complete, "rows": rows}
@@ -194,7 +200,7 @@ def main() -> None:
                 for i in range(0, len(prompts), args.batch_size):
                     batch = [p for _, p in prompts[i: i + args.batch_size]]
                     decoder = build_runtime(
-                        method, target.model, draft=draft, longspark=longspark,
+                        method, target.model, draft=draft, longspark=longspark, ring=ring,
                         dustin=dustin.with_budget(budget) if budget else dustin, batch_slots=len(batch),
                         max_seq_len=max_len, dtype=dtype, draft_kv_dtype=draft_dtype, device=device, backend=backend,
                         gamma=gamma)

@@ -21,6 +21,7 @@ from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.longspark import LongSpark
+from trtllm_dustin.models.ring_drafter import RingDrafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.decoder import Decoder
@@ -49,7 +50,8 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
                   target_cache: KVCache | None = None, draft_cache: KVCache | None = None,
                   kernels: KernelConfig | None = None, tactics: str | Path | None = None,
                   backend: str | AttentionBackend | None = None, gamma: int = 3, draft_budget: int = 512,
-                  use_cuda_graph: bool = True, longspark_kv: Mapping | None = None) -> Decoder:
+                  use_cuda_graph: bool = True, longspark_kv: Mapping | None = None,
+                  ring: RingDrafter | None = None) -> Decoder:
     """The decoder of registered `method` over `target` (a Transformer, or a pipeline's first stage).
 
     Caches: `target_cache` when given (a shared prefill, a pipeline stage's own layers), else one of batch_slots x
@@ -59,7 +61,8 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
     tactics), given to the models, the backend and the round's ops. backend: a registered name (attention_backend's
     default for None), built with those kernels, or a built backend used as it is (one a prefill beside the decoder
     shares). longspark_kv: a pipeline's first stage hands the LongSpark drafter the later stages' K/V of the layers it
-    reads (runtime/pipeline/longspark.py); its `longspark` is then attached to the whole model elsewhere.
+    reads (runtime/pipeline/longspark.py); its `longspark` is then attached to the whole model elsewhere. ring: the
+    ring drafter of the ring methods (attached to `target`).
     Every check that needs no memory (the method, its models, its config) runs before a cache is allocated.
     """
     spec = method_spec(method)
@@ -69,7 +72,7 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
         device = target_cache.seqlens.device if target_cache is not None else next(target.parameters()).device
     device = torch.device(device)
     _check_inputs(method, spec, target, draft, longspark, dustin, use_cuda_graph, device,
-                  relayed=longspark_kv is not None)
+                  relayed=longspark_kv is not None, ring=ring)
     kernels = runtime_kernels(kernels, tactics)
     if backend is None or isinstance(backend, str):
         backend = attention_backend(device, kernels, backend)
@@ -82,7 +85,7 @@ def build_runtime(method: str, target: Transformer, *, draft: Transformer | None
                                        draft_kv_dtype or draft.embed.weight.dtype, device)
     return build_decoder(method, MethodSetup(
         target=target, target_cache=target_cache, backend=backend, draft=draft, draft_cache=draft_cache, gamma=gamma,
-        draft_budget=draft_budget, dustin=dustin, longspark=longspark, longspark_kv=longspark_kv,
+        draft_budget=draft_budget, dustin=dustin, longspark=longspark, longspark_kv=longspark_kv, ring=ring,
         use_cuda_graph=use_cuda_graph, kernels=kernels))
 
 
@@ -94,7 +97,7 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
     if spec.needs_draft and setup.draft_cache is None:
         raise ConfigError(f"method {method} needs a draft model; pass --draft DIR|FILE.gguf|preset:NAME")
     _check_inputs(method, spec, setup.target, setup.draft, setup.longspark, setup.dustin, setup.use_cuda_graph,
-                  tcache.seqlens.device, relayed=setup.longspark_kv is not None)
+                  tcache.seqlens.device, relayed=setup.longspark_kv is not None, ring=setup.ring)
     if spec.needs_draft:
         dcache = setup.draft_cache
         if (tcache.batch_slots, tcache.max_seq_len) != (dcache.batch_slots, dcache.max_seq_len):
@@ -117,7 +120,7 @@ def build_decoder(method: str, setup: MethodSetup) -> Decoder:
 
 def _check_inputs(method: str, spec: Method, target: Transformer, draft: Transformer | None,
                   longspark: LongSpark | None, dustin: DustinConfig | None, use_cuda_graph: bool,
-                  device: torch.device, relayed: bool = False) -> None:
+                  device: torch.device, relayed: bool = False, ring: RingDrafter | None = None) -> None:
     """What the method needs beside the target, each refusal naming the option that gives it (relayed: a pipeline's
     first stage hands the LongSpark drafter the later stages' K/V, so its target is the whole model elsewhere)."""
     if spec.needs_draft and draft is None:
@@ -127,6 +130,11 @@ def _check_inputs(method: str, spec: Method, target: Transformer, draft: Transfo
                           "model: the packaged one)")
     if spec.needs_longspark and not relayed and longspark.target is not target:
         raise ConfigError(f"method {method}: the LongSpark drafter is attached to another target model than this one")
+    if spec.needs_ring and ring is None:
+        raise ConfigError(f"method {method} needs a ring drafter; pass --ring DIR (from `trtllm-dustin "
+                          "train-ring-drafter`)")
+    if spec.needs_ring and ring.target is not target:
+        raise ConfigError(f"method {method}: the ring drafter is attached to another target model than this one")
     if spec.eager_only and use_cuda_graph and device.type == "cuda":
         raise ConfigError(f"{method} decides on the host round by round and cannot run in CUDA graphs; build it with "
                           "use_cuda_graph=False (it is evaluation only)")

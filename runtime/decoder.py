@@ -90,11 +90,14 @@ class Decoder:
 
     @torch.inference_mode()
     def prefilled(self, slots: slice, prompts: Sequence[Sequence[int]], queries: dict[int, torch.Tensor],
-                  hidden: dict[int, torch.Tensor] | None = None) -> None:
+                  hidden: dict[int, torch.Tensor] | None = None, window: dict[int, torch.Tensor] | None = None,
+                  window_start: int = 0) -> None:
         """The caches already hold the prompts at slots [start, stop) (a prefill shared by several decoders):
         set the slots' lengths and run the drafter's and selector's prompt-time hooks. queries: target layer ->
         [n, H_q, D], the last prompt token's query, for at least the decoder's target_query_layers; hidden: target
-        layer -> [n, H], its hidden state, for at least target_hidden_layers."""
+        layer -> [n, H], its hidden state, for at least target_hidden_layers; window: target layer -> [n, R, H], the
+        last R positions' hidden states, for a drafter with `window_layers` (window_start: the first position the
+        prefill ran)."""
         hidden = hidden or {}
         missing = [layer for layer in self.target_hidden_layers if layer not in hidden]
         if missing:
@@ -104,7 +107,7 @@ class Decoder:
         self.state.lengths[slots] = lengths
         view = PrefillView(slots, [list(p) for p in prompts], lengths,
                            {layer: queries[layer] for layer in self.target_query_layers},
-                           {layer: hidden[layer] for layer in self.target_hidden_layers})
+                           {layer: hidden[layer] for layer in self.target_hidden_layers}, window or {}, window_start)
         self.drafter.on_prefill(view)
         self.selector.on_prefill(view)
 
@@ -286,8 +289,12 @@ class SlotPrefill:
         n, dtype, device = len(prompts), decoder.target.embed.weight.dtype, decoder.device
         self.hidden = {layer: torch.zeros(n, decoder.target.config.hidden_size, dtype=dtype, device=device)
                        for layer in decoder.target_hidden_layers}
+        drafter = decoder.drafter  # a drafter may ask for the hidden states of the prompts' last positions
+        self.start = start
         self.target = PrefillJob(decoder.target, decoder.cache, decoder.backend, prompts, chunk,
-                                 decoder.target_query_layers, hidden_out=self.hidden, start=start, slots=slots)
+                                 decoder.target_query_layers, hidden_out=self.hidden, start=start, slots=slots,
+                                 window_layers=getattr(drafter, "window_layers", ()),
+                                 window_rows=getattr(drafter, "window_rows", 0))
         self.draft = decoder.drafter.prefill(slots, prompts, chunk, start)  # None: the drafter keeps no cache
         self.logits: torch.Tensor | None = None
 
@@ -330,7 +337,7 @@ class SlotPrefill:
         for p, done in zip(prefills, complete, strict=True):
             if done:
                 logits, queries = p.target.last_logits, p.target.last_queries
-                p.decoder.prefilled(p.slots, p.prompts, queries, p.hidden)
+                p.decoder.prefilled(p.slots, p.prompts, queries, p.hidden, p.target.hidden_window, p.start)
                 p.logits = p.decoder.shared_logits(logits)
         return complete
 

@@ -53,6 +53,10 @@ class PrefillView:
     lengths: torch.Tensor  # int32 [n]: prompt lengths
     queries: dict[int, torch.Tensor]  # target layer -> [n, H_q, D]: the last prompt token's rotated query
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # target layer -> [n, H]: its hidden state
+    # target layer -> [n, R, H]: the hidden states of each prompt's last R positions (a drafter that asks for them:
+    # `window_layers`, `window_rows`), row r at position length - R + r; positions below window_start were not run
+    hidden_window: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_start: int = 0
 
 
 class Drafter(Protocol):

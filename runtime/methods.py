@@ -22,6 +22,7 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.longspark import LongSpark
+from trtllm_dustin.models.ring_drafter import RingDrafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter
@@ -66,6 +67,7 @@ class MethodSetup:
     # Where the LongSpark drafter reads its target layers' K/V when target_cache does not hold them all (a pipeline's
     # first stage): target layer -> (K, V) [B, H_kv, S_max, D]; None: target_cache's layers
     longspark_kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ring: RingDrafter | None = None  # a ring drafter attached to the target (the ring methods, evaluation only)
     use_cuda_graph: bool = True  # replay the round's fixed-shape phases from CUDA graphs (CUDA only)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # given to both models; the graphs record it
 
@@ -85,11 +87,12 @@ class Method:
     offered: bool = True  # a user option (CLI, model repository); False: evaluation only (runtime/experimental/)
     needs_longspark: bool = False  # drafts with a LongSpark drafter (no draft model, no draft cache)
     eager_only: bool = False  # decides on the host round by round: build with use_cuda_graph=False (evaluation)
+    needs_ring: bool = False  # drafts with a ring drafter (no draft model, no draft cache)
 
     @property
     def speculative(self) -> bool:
         """Proposes draft tokens (Γ > 0): every method but vanilla."""
-        return self.needs_draft or self.needs_longspark
+        return self.needs_draft or self.needs_longspark or self.needs_ring
 
 
 # ---- drafters --------------------------------------------------------------------------------------------------

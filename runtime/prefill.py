@@ -57,9 +57,11 @@ class PrefillJob:
     @torch.inference_mode()
     def __init__(self, model: Transformer, cache: KVCache, backend: AttentionBackend,
                  prompts: Sequence[Sequence[int]], chunk: int = 2048, capture_layers: Sequence[int] = (),
-                 hidden_out: dict[int, torch.Tensor] | None = None, start: int = 0, slots: slice | None = None
-                 ) -> None:
-        """slots: the consecutive slots of `cache` the prompts go to, one per prompt (None: 0 .. B-1)."""
+                 hidden_out: dict[int, torch.Tensor] | None = None, start: int = 0, slots: slice | None = None,
+                 window_layers: Sequence[int] = (), window_rows: int = 0) -> None:
+        """slots: the consecutive slots of `cache` the prompts go to, one per prompt (None: 0 .. B-1).
+        window_layers, window_rows: also keep those layers' hidden states of each prompt's last window_rows positions
+        (`hidden_window`; the ring drafter's ring at admission)."""
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("prefill needs at least one prompt and no empty one")
         if chunk < 1:
@@ -92,6 +94,17 @@ class PrefillJob:
         self.last_queries = {layer: torch.zeros(B, config.num_heads, config.head_dim, dtype=self.qdtype,
                                                 device=device) for layer in self.capture_layers}
         self.view.seqlens.fill_(self.done + 1)  # parked until the first chunk
+        if window_layers and window_rows < 1:
+            raise ValueError(f"window_rows {window_rows} must be >= 1 to keep the hidden states of {window_layers}")
+        # one row more than asked: the chunk's positions outside the window are written there (no host sync)
+        self._window = {layer: torch.zeros(B, window_rows + 1, config.hidden_size, dtype=self.qdtype, device=device)
+                        for layer in window_layers}
+
+    @property
+    def hidden_window(self) -> dict[int, torch.Tensor]:
+        """layer -> [B, R, H]: the hidden states of each prompt's last R positions (row r: position length - R + r;
+        zero where that position is below 0 or below `start`, which this prefill did not run)."""
+        return {layer: w[:, :-1] for layer, w in self._window.items()}
 
     @property
     def finished(self) -> bool:
@@ -165,7 +178,8 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
         if job.first_slot != prev.first_slot + prev.rows:
             raise ValueError(f"prefill jobs run together must sit on adjacent slots: slots from {prev.first_slot} "
                              f"({prev.rows}) then {job.first_slot}")
-        if job.capture_layers != first.capture_layers or job.hidden_out.keys() != first.hidden_out.keys():
+        if job.capture_layers != first.capture_layers or job.hidden_out.keys() != first.hidden_out.keys() or \
+                job._window.keys() != first._window.keys():
             raise ValueError("prefill jobs run together must capture the same layers")
     if any(job.finished for job in jobs):
         raise RuntimeError("this prefill has no chunk left")
@@ -196,11 +210,12 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
     meta = AttentionMetadata(cache_seqlens=view.seqlens, max_kv_len=max(starts) + T, query_lens=real)
     in_chunk = torch.minimum((lens - 1 - start_rows).clamp_min(0), end_rows - start_rows - 1)  # each last token
     capture, qdtype = None, first.qdtype
-    if first.capture_layers or first.hidden_out:
+    if first.capture_layers or first.hidden_out or first._window:
         capture = QueryCapture(first.capture_layers, {
             layer: torch.empty(B, T, config.num_heads, config.head_dim, dtype=qdtype, device=device)
             for layer in first.capture_layers},
-            {layer: torch.empty(B, T, config.hidden_size, dtype=qdtype, device=device) for layer in first.hidden_out})
+            {layer: torch.empty(B, T, config.hidden_size, dtype=qdtype, device=device)
+             for layer in {*first.hidden_out, *first._window}})
     logits = model(tokens, view, meta, backend, logit_index=in_chunk.long(), capture=capture)
     ends_here = ((lens - 1) >= start_rows) & ((lens - 1) < end_rows)  # [B]
     all_rows = torch.arange(B, device=device)
@@ -212,8 +227,16 @@ def step_together(jobs: Sequence[PrefillJob]) -> list[bool]:
             picked = all_rows[mine], in_chunk[mine].long()
             for layer, q in capture.queries.items():
                 job.last_queries[layer] = torch.where(here[:, None, None], q[picked], job.last_queries[layer])
-            for layer, h in capture.hidden.items():
+            for layer in job.hidden_out:
+                h = capture.hidden[layer]
                 job.hidden_out[layer].copy_(torch.where(here[:, None], h[picked], job.hidden_out[layer]))
+            if job._window:
+                R = next(iter(job._window.values())).shape[1] - 1
+                # chunk position j of row b is prompt position start + j: window row (start + j) - (length - R)
+                at = start_rows[mine, None].long() + torch.arange(T, device=device) - (lens[mine, None].long() - R)
+                at = torch.where((at >= 0) & (at < R), at, R)  # elsewhere: the spare row
+                for layer, w in job._window.items():
+                    w[torch.arange(n, device=device)[:, None], at] = capture.hidden[layer][mine]
         job.done = end
         row += n
     view.seqlens.copy_(torch.where(after < 0, lens, after))

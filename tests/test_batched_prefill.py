@@ -115,3 +115,33 @@ def test_step_together_refuses_jobs_it_cannot_run_in_one_forward() -> None:
         step_together([])
     with pytest.raises(ValueError, match="must be 2 consecutive slots"):
         PrefillJob(jobs[0].model, jobs[0].cache, jobs[0].backend, [[5] * 4, [5] * 4], CHUNK, slots=slice(0, 1))
+
+
+def test_the_hidden_window_holds_each_prompts_last_positions() -> None:
+    """window_layers / window_rows: each prompt's last R positions' hidden states, equal to the whole-sequence
+    forward's, whether the window spans several chunks, prompts of one job differ in length, a prompt is shorter
+    than R (its first rows stay zero) or jobs run together; a reused prefix's positions (not run) stay zero too."""
+    model, backend, prompts = _model(torch.float64), get_backend("reference"), _prompts()
+    from trtllm_dustin.models.decoder import QueryCapture
+
+    R, layers = 24, (0, 2)
+    cache = KVCache.allocate(model.config, 4, MAX_LEN, torch.float64, DEVICE)
+    PrefillJob(model, cache, backend, [prompts[1][:16]], CHUNK, slots=slice(1, 2)).run()  # slot 1's reused prefix
+    jobs = [PrefillJob(model, cache, backend, [prompts[i] for i in which], 7, window_layers=layers, window_rows=R,
+                       slots=slots, start=start) for slots, which, start in JOBS]
+    while not all(j.finished for j in jobs):
+        step_together([j for j in jobs if not j.finished])
+    for (_, which, start), job in zip(JOBS, jobs, strict=True):
+        for row, i in enumerate(which):
+            n = len(prompts[i])
+            tokens = torch.tensor([prompts[i]], device=DEVICE)
+            capture = QueryCapture((), {}, {layer: torch.empty(1, n, model.config.hidden_size, dtype=torch.float64,
+                                                               device=DEVICE) for layer in layers})
+            model.run_whole(tokens, capture)
+            for layer in layers:
+                got = job.hidden_window[layer][row]
+                positions = torch.arange(n - R, n)
+                ran = positions >= start
+                want = capture.hidden[layer][0, positions.clamp(min=0)]
+                torch.testing.assert_close(got[ran], want[ran])
+                assert (got[~ran] == 0).all() and ran.sum() == min(R, n - start)

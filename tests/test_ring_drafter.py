@@ -95,8 +95,8 @@ def test_bad_configs_and_oversized_ingests_are_refused(target) -> None:
         RingDrafterConfig(READ, OWN, 0, G)
     model = _drafter(target)
     state = model.new_state(1)
-    n = G + 2
-    with pytest.raises(ValueError, match="at most 5 positions"):
+    n = W + G + 2
+    with pytest.raises(ValueError, match="at most 11 positions"):
         model.ingest(state, torch.zeros(1, n, dtype=torch.long), torch.zeros(1, n, 2, 96, dtype=torch.float64),
                      torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
 
@@ -153,3 +153,122 @@ def test_the_command_refuses_bad_layers_before_loading_anything(tmp_path, capsys
     assert main([*base[:2], str(tmp_path / "missing.npy"), *base[3:]]) != 0
     assert "does not exist; write it with `trtllm-dustin prepare-distill-data" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+# ---- the runtime drafter (runtime/drafters/ring.py, the experimental method "ring") -------------------------------
+def _ring_decoder(target, model, slots: int, max_seq_len: int, gamma: int):
+    import trtllm_dustin.runtime.experimental  # noqa: F401  (registers "ring")
+    from trtllm_dustin.attention import get_backend
+    from trtllm_dustin.kv_cache import KVCache
+    from trtllm_dustin.runtime.build import build_decoder
+    from trtllm_dustin.runtime.methods import MethodSetup
+
+    cache = KVCache.allocate(target.config, slots, max_seq_len, torch.float64, "cpu")
+    return build_decoder("ring", MethodSetup(target=target, target_cache=cache, backend=get_backend("reference"),
+                                             ring=model, gamma=gamma))
+
+
+@pytest.mark.parametrize("prompt_len", [20, 4])
+def test_the_runtime_proposes_what_training_unrolls(target, prompt_len: int) -> None:
+    """Admission (a prompt longer than W, prefilled in chunks shorter than W) and then rounds: each greedy proposal
+    is the argmax of forward_train's slots at the anchor L over the committed tokens followed by the proposal
+    itself, so the ring the rounds keep (filled at admission, cur at propose, accepted drafts at observe, fed the
+    verification's hidden states) is the ring training builds. A prompt longer than fill_span (11 here) and one
+    shorter than W."""
+    from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
+    from trtllm_dustin.runtime.state import Progress
+
+    model = _drafter(target)
+    prompt = [5 + (i * 7) % 240 for i in range(prompt_len)]
+    decoder = _ring_decoder(target, model, 1, 64, gamma=G)
+    progress = Progress.allocate(1, 40, G, (), torch.device("cpu"))
+    decoder.prefill(slice(0, 1), [prompt], chunk=5)
+    decoder.begin(progress, slice(0, 1), torch.tensor([17]), [prompt], 30)
+    greedy = SlotSampling.batch(SamplingParams(), 1, torch.device("cpu"), use_kernel=False)
+    committed = [*prompt, 17]
+    for _ in range(4):
+        L = int(decoder.state.lengths[0])
+        assert L == len(committed) - 1
+        proposal = decoder.drafter.propose(decoder.state, greedy).tokens[0].clone()
+        seq = torch.tensor([committed + proposal[:-1].tolist()])
+        _, slots = model.forward_train(seq, _hidden(target, seq), torch.tensor([L]))
+        assert torch.equal(proposal, target.head(slots[0]).argmax(-1))
+        verdict = decoder.round(progress, greedy)
+        a = int(verdict.accepted[0])
+        committed += proposal[:a].tolist() + [int(verdict.next_tokens[0])]
+    # a verdict that accepts drafts (a random drafter's rarely are): observe feeds the accepted ones into the ring
+    from trtllm_dustin.runtime.state import Observation
+
+    L = int(decoder.state.lengths[0])
+    proposal = decoder.drafter.propose(decoder.state, greedy).tokens[0].clone()
+    seq = torch.tensor([committed + proposal.tolist()])
+    hidden = _hidden(target, seq)[:, L:]  # the verification's: positions L .. L + Γ
+    decoder.drafter.observe(Observation(
+        accepted=torch.tensor([2]), next_tokens=torch.tensor([31]), active=torch.tensor([True]),
+        lengths=decoder.state.lengths.clone(), indices=None, verify_queries={},
+        verify_hidden={layer: hidden[:, :, j] for j, layer in enumerate(READ)}))
+    committed += proposal[:2].tolist() + [31]
+    decoder.state.lengths.fill_(L + 3)
+    decoder.state.cur.fill_(31)
+    proposal = decoder.drafter.propose(decoder.state, greedy).tokens[0].clone()
+    seq = torch.tensor([committed + proposal[:-1].tolist()])
+    _, slots = model.forward_train(seq, _hidden(target, seq), torch.tensor([L + 3]))
+    assert torch.equal(proposal, target.head(slots[0]).argmax(-1))
+    assert decoder.drafter.state_bytes() == _ring_decoder(target, model, 1, 640, gamma=G).drafter.state_bytes()
+
+
+def test_ring_rounds_generate_what_the_target_alone_generates(target) -> None:
+    """Greedy speculative decoding with the ring drafter commits exactly the target's own greedy tokens (prompts
+    shorter and longer than the ring, several slots), and with a drafter trained to copy the target's argmax it
+    accepts drafts; T = 1 runs too, drawing valid tokens."""
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+    from trtllm_dustin.runtime.sampling import SamplingParams
+
+    model = _drafter(target)
+    prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)], [3 + (i * 5) % 200 for i in range(11)]]
+    config = GenerationConfig(max_new_tokens=12, eos_token_ids=(), prefill_chunk=4)
+    ring = _ring_decoder(target, model, 3, 64, gamma=3).generate(prompts, config)
+    vanilla = build_runtime("vanilla", target, batch_slots=3, max_seq_len=64, dtype=torch.float64, device="cpu",
+                            backend="reference").generate(prompts, config)
+    assert ring.tokens == vanilla.tokens
+    assert ring.rounds <= vanilla.rounds
+    sampled = _ring_decoder(target, model, 3, 64, gamma=3).generate(
+        prompts, GenerationConfig(max_new_tokens=8, eos_token_ids=(), prefill_chunk=4,
+                                  sampling=SamplingParams(1.0, 1.0, seed=3)))
+    assert all(len(t) == 8 and all(0 <= x < target.config.vocab_size for x in t) for t in sampled.tokens)
+
+
+def test_the_ring_method_is_refused_without_a_ring_drafter(target) -> None:
+    import trtllm_dustin.runtime.experimental  # noqa: F401
+    from trtllm_dustin.runtime.build import build_runtime
+
+    with pytest.raises(ConfigError, match="needs a ring drafter; pass --ring DIR"):
+        build_runtime("ring", target, batch_slots=1, max_seq_len=32, dtype=torch.float64, device="cpu")
+    other = load_model("preset:tiny-llama", dtype=torch.float64, seed=8).model
+    with pytest.raises(ConfigError, match="attached to another target"):
+        build_runtime("ring", other, batch_slots=1, max_seq_len=32, dtype=torch.float64, device="cpu",
+                      ring=_drafter(target))
+
+
+def test_a_loaded_drafter_serves_in_the_targets_dtype(tmp_path) -> None:
+    """Saved and loaded beside a bf16 target (as served on the GPU), the drafter runs rounds in bf16 (no dtype
+    mismatch between the target's hidden states, its weights and the ring) and proposes valid tokens."""
+    import trtllm_dustin.runtime.experimental  # noqa: F401
+    from trtllm_dustin.models.ring_drafter import load_ring_drafter
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+
+    fp32 = load_model("preset:tiny-llama", dtype=torch.float32, seed=7).model
+    model = RingDrafter(RingDrafterConfig(READ, OWN, W, G), fp32)
+    with torch.no_grad():
+        model.fuse.weight.normal_(std=0.05)
+    model.save(tmp_path / "ring")
+    bf16 = load_model("preset:tiny-llama", dtype=torch.bfloat16, seed=7).model
+    ring = load_ring_drafter(tmp_path / "ring", bf16)
+    assert ring.dtype == torch.bfloat16 and ring.target is bf16
+    torch.testing.assert_close(ring.fuse.weight.float(), model.fuse.weight.to(torch.bfloat16).float())
+    out = build_runtime("ring", bf16, ring=ring, batch_slots=2, max_seq_len=64, dtype=torch.bfloat16, device="cpu",
+                        gamma=3).generate([[9, 8, 7], list(range(5, 30))],
+                                          GenerationConfig(max_new_tokens=6, eos_token_ids=(), prefill_chunk=8))
+    assert all(len(t) == 6 and all(0 <= x < 257 for x in t) for t in out.tokens)

@@ -103,9 +103,15 @@ class RingDrafter(nn.Module):
         nn.init.zeros_(self.own.weight)
 
     # ---- pieces both paths use ---------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's own weights' (fp32 master weights in training, the target's when loaded to serve): its
+        inputs are cast to it."""
+        return self.fuse.weight.dtype
+
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """F: the target's hidden states [..., len(read_layers), H] at p - 1 -> [..., H] for position p."""
-        parts = [norm(hidden[..., j, :].float()) for j, norm in enumerate(self.read_norms)]
+        parts = [norm(hidden[..., j, :].to(self.dtype)) for j, norm in enumerate(self.read_norms)]
         return self.fuse(torch.cat(parts, dim=-1))
 
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
@@ -133,12 +139,14 @@ class RingDrafter(nn.Module):
 
     def _slot_input(self, tokens: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Slot g >= 1's input: its token's embedding + P(the drafter's output at slot g - 1)."""
-        return self.target.embed(tokens).float() + self.own(self.own_norm(previous))
+        return self.target.embed(tokens).to(self.dtype) + self.own(self.own_norm(previous.to(self.dtype)))
 
     # ---- training: whole windows -------------------------------------------------------------------------
-    def _band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """Every position attends to the last W positions, itself included: q / k / v [B, T, H*, D] -> [B, T, Hq * D],
-        in chunks of W rows (each reads itself and the chunk before), so the cost is O(T W), not O(T^2)."""
+        in chunks of W rows (each reads itself and the chunk before), so the cost is O(T W), not O(T^2). key_ok
+        [B, T]: the positions others may read (None: all); each position always reads itself, so none is empty."""
         B, T, W = q.shape[0], q.shape[1], self.config.window
         pad = -T % W
         if pad:
@@ -153,8 +161,12 @@ class RingDrafter(nn.Module):
         j = torch.arange(2 * W, device=q.device)[None, :]
         mask = ((j > i) & (j <= i + W))[None].expand(n, W, 2 * W).clone()  # key j - W in (i - W, i]
         mask[0, :, :W] = False  # no chunk before the first
+        mask = mask.repeat(B, 1, 1)
+        if key_ok is not None:
+            ok = chunks(F.pad(key_ok, (0, pad))[..., None])[..., 0].reshape(B * n, 1, 2 * W)
+            mask = mask & (ok | (j == i + W)[None])
         out = self._attend(q.reshape(B * n, W, *q.shape[2:]), chunks(k).reshape(B * n, 2 * W, *k.shape[2:]),
-                           chunks(v).reshape(B * n, 2 * W, *v.shape[2:]), mask.repeat(B, 1, 1))
+                           chunks(v).reshape(B * n, 2 * W, *v.shape[2:]), mask)
         return out.reshape(B, n * W, -1)[:, :T]
 
     def forward_train(self, tokens: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
@@ -167,7 +179,7 @@ class RingDrafter(nn.Module):
         B, T = tokens.shape
         A, device = anchors.shape[0], tokens.device
         f = self.features(hidden)
-        x = target.embed(tokens).float() + torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
+        x = target.embed(tokens).to(self.dtype) + torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
         pos = torch.arange(T, device=device)
         rows = anchors[:, None] - W + 1 + torch.arange(W, device=device)  # ring rows (L - W, L]
         slot_pos = anchors[:, None] + torch.arange(G, device=device)  # [A, G]
@@ -209,19 +221,47 @@ class RingDrafter(nn.Module):
                          [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)],
                          [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)])
 
+    @property
+    def fill_span(self) -> int:
+        """Positions `fill` runs to give a fresh ring exactly the rows training would: the last W, and before them
+        the (layers - 1)(W - 1) positions their deeper layers' keys and values depend on."""
+        return len(self.layers) * (self.config.window - 1) + 1
+
+    def fill(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             valid: torch.Tensor) -> torch.Tensor:
+        """A fresh ring from each sequence's last committed positions (a prompt at admission): tokens / positions /
+        valid [B, T] (positions ascending by one per row; invalid ones, below 0 or not computed, are read by none),
+        hidden [B, T, len(read_layers), H] (the target's at each position - 1) -> outputs [B, T, H]. The band pass
+        runs over them as training's does, and the last W positions' keys and values fill the ring, its other rows
+        emptied. With T >= fill_span (or positions from 0) the ring equals training's."""
+        C, W = state.positions.shape[1], self.config.window
+        batch = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        x = self.target.embed(tokens).to(self.dtype) + self.features(hidden)
+        last = positions[:, -W:]
+        rows = last % C
+        state.positions.fill_(-1)
+        state.positions[batch, rows] = torch.where(valid[:, -W:], last, -1)
+        for layer, ring_k, ring_v in zip(self.layers, state.keys, state.values, strict=True):
+            q, k, v = self._qkv(layer, x, positions)
+            ring_k[batch, rows] = k[:, -W:].to(ring_k.dtype)
+            ring_v[batch, rows] = v[:, -W:].to(ring_v.dtype)
+            x = self._finish(layer, x, self._band(q, k, v, valid))
+        return x
+
     def ingest(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                valid: torch.Tensor) -> torch.Tensor:
         """Pass committed positions through the layers and write them into the ring: tokens / positions / valid
         [B, n] (distinct ascending positions per row, invalid ones included, each valid one following the ring's
-        last), hidden [B, n, len(read_layers), H]
+        last; at most block + 2 of them, so that none evicts a row one of them reads, unless the ring holds nothing
+        they read: a fresh sequence takes up to the ring's rows), hidden [B, n, len(read_layers), H]
         (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing (their outputs are
         meaningless); a row whose entries are all invalid keeps its ring as it was."""
         C, W = state.positions.shape[1], self.config.window
-        if tokens.shape[1] > C - W:
-            raise ValueError(f"ingest takes at most {C - W} positions at a time (block + 1), got {tokens.shape[1]}")
+        if tokens.shape[1] > C:
+            raise ValueError(f"ingest takes at most {C} positions at a time (the ring's rows), got {tokens.shape[1]}")
         batch = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         rows = positions % C
-        x = self.target.embed(tokens).float() + self.features(hidden)
+        x = self.target.embed(tokens).to(self.dtype) + self.features(hidden)
         written = torch.where(valid, positions, state.positions[batch, rows])
         state.positions[batch, rows] = written
         # query at p reads the ring rows holding positions in (p - W, p]

@@ -1,0 +1,176 @@
+"""The ring drafter (trtllm_dustin/models/ring_drafter.py) on the Drafter seam: fixed-cost drafting, one slot after
+another (evaluation only for now: runtime/experimental/methods.py registers it).
+
+Per round, from each slot's committed state (cache length L, the committed token `cur` at position L):
+- propose: `cur` enters the ring at position L, fed with the target's hidden states at L - 1 (the boundary, kept
+  from the last verification or the prefill); its output proposes the first token, and Γ - 1 steps propose the
+  rest, each fed the step before (greedy: argmax; sampled: each token drawn from the distribution it reports);
+- observe: the accepted drafts (positions L + 1 .. L + accepted) enter the ring, fed with the verification pass's
+  hidden states at L .. L + accepted - 1, and the boundary moves to the hidden state at L + accepted.
+At admission the ring pass runs over the prompt's last `fill_span` positions, as training's does, and their last W
+fill the ring (the prefill keeps the target's hidden states there).
+Nothing grows with the prefix: the state is the ring (W + block + 1 rows per own layer and slot) and the boundary.
+
+Phases: "ring-propose" (greedy) and "ring-observe" are fixed-shape (CUDA graphs on the GPU). Writing `cur` into its
+ring row is idempotent, so capturing the propose phase (run three times) leaves the state as one run would; observe
+is captured once with no slot active (every entry invalid: the ring stays as it was).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from trtllm_dustin.config import ConfigError
+from trtllm_dustin.models.ring_drafter import RingDrafter, RingState
+from trtllm_dustin.plugins.argmax import argmax_last
+from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
+from trtllm_dustin.runtime.drafter import Lookahead, PrefillView, Proposal
+from trtllm_dustin.runtime.sampling import SlotSampling
+from trtllm_dustin.runtime.state import Observation, RoundState
+
+__all__ = ["RingDrafting"]
+
+
+class RingDrafting:
+    target_query_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: RingDrafter, slots: int, gamma: int, graphs: PhaseGraphs, use_kernel: bool = True
+                 ) -> None:
+        block = model.config.block
+        if not 1 <= gamma <= block:
+            raise ConfigError(f"--gamma {gamma}: this ring drafter proposes 1 .. {block} tokens per round; lower "
+                              "--gamma")
+        self.model, self.gamma, self.graphs, self.use_kernel = model, gamma, graphs, use_kernel
+        target = model.target
+        self.target_hidden_layers = model.config.read_layers
+        # the prefill keeps the hidden states of the prompt's last fill_span + 1 positions: `fill` reads those at
+        # p - 1 (the last one is the boundary)
+        self.window_layers, self.window_rows = model.config.read_layers, model.fill_span + 1
+        device, dtype = target.embed.weight.device, target.embed.weight.dtype
+        self.vocab_size = target.config.vocab_size
+        self.ring: RingState = model.new_state(slots, dtype)
+        reads, H = len(self.target_hidden_layers), target.config.hidden_size
+        self.boundary = torch.zeros(slots, reads, H, dtype=dtype, device=device)  # the target's at L - 1
+        self.tokens = torch.zeros(slots, gamma, dtype=torch.long, device=device)
+        self.probs = torch.zeros(slots, gamma, self.vocab_size, dtype=torch.float32, device=device)
+        # observe's own copies of the verdict (the graph reads these)
+        self._accepted = torch.zeros(slots, dtype=torch.long, device=device)
+        self._active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self._drafts = torch.zeros(slots, gamma, dtype=torch.long, device=device)
+        self._hidden = torch.zeros(slots, gamma + 1, reads, H, dtype=dtype, device=device)
+        self._offsets = torch.arange(gamma, device=device)
+        self._rows = torch.arange(slots, device=device)
+        self._observe_captured = False
+
+    def state_bytes(self) -> int:
+        """Bytes of per-run drafter state: the ring and the boundary."""
+        ring = [*self.ring.keys, *self.ring.values, *self.ring.slot_keys, *self.ring.slot_values, self.ring.positions]
+        return sum(t.numel() * t.element_size() for t in (*ring, self.boundary))
+
+    # ---- what the round calls ----------------------------------------------------------------------------
+    def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0) -> None:
+        """No cache of its own: the ring is filled from the target's prefill (on_prefill)."""
+
+    @torch.inference_mode()
+    def on_prefill(self, view: PrefillView) -> None:
+        missing = [layer for layer in self.window_layers if layer not in view.hidden_window]
+        if missing:
+            raise RuntimeError(f"the prefill kept no hidden-state window of target layers {missing}; the ring "
+                               "drafter needs it")
+        rows = self.window_rows
+        start = view.slots.indices(self.boundary.shape[0])[0]
+        n = view.lengths.shape[0]
+        window = torch.stack([view.hidden_window[layer] for layer in self.window_layers], dim=2)  # [n, W + 1, R, H]
+        self.boundary[start: start + n] = window[:, -1]
+        # ring positions length - span .. length - 1, each fed the hidden state at the position before it
+        span = rows - 1
+        lengths = view.lengths.long()[:, None]
+        positions = lengths - span + torch.arange(span, device=lengths.device)
+        hidden = window[:, :-1]
+        # positions below 0 do not exist; below the prefill's start the target's states were not computed (a reused
+        # prefix: those positions are left out, and the ring is then not training's); position 0 has no state
+        # before it (training feeds it zeros)
+        valid = (positions >= 0) & ((positions - 1 >= view.window_start) | (positions == 0))
+        hidden = torch.where((positions == 0)[:, :, None, None], torch.zeros_like(hidden), hidden)
+        tokens = torch.zeros(n, span, dtype=torch.long, device=lengths.device)
+        for i, prompt in enumerate(view.prompts):
+            tail = prompt[max(0, len(prompt) - span):]
+            tokens[i, span - len(tail):] = torch.as_tensor(tail, dtype=torch.long)
+        self.model.fill(self._slot_ring(slice(start, start + n)), tokens, hidden, positions, valid)
+
+    def lookahead(self, layers: Sequence[int], confidence: bool = False) -> Lookahead:
+        raise ConfigError("the ring drafter's queries live in its own layers' key spaces, not the target's: it has "
+                          "no lookahead for Dustin's estimator; use a method whose selector does not read one")
+
+    def propose(self, state: RoundState, sampling: SlotSampling, rows: slice | None = None) -> Proposal:
+        """Every slot (rows are not used)."""
+        if sampling.all_greedy:
+            self.graphs.run("ring-propose", partial(self._greedy, state))
+            return Proposal(self.tokens, None)
+        h = self._enter_cur(state)
+        for g in range(self.gamma):
+            if g:
+                h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
+            logits = self.model.target.head(h).float()
+            probs = sampling.probs(logits)
+            self.tokens[:, g] = sampling.pick(logits, probs)
+            self.probs[:, g] = probs
+        return Proposal(self.tokens, self.probs)
+
+    def observe(self, seen: Observation) -> None:
+        missing = [layer for layer in self.target_hidden_layers if layer not in seen.verify_hidden]
+        if missing:
+            raise RuntimeError(f"the verification kept no hidden states of target layers {missing}")
+        self._capture_observe(seen.lengths)
+        self._accepted.copy_(seen.accepted)
+        self._active.copy_(seen.active)
+        self._drafts.copy_(self.tokens)
+        self._hidden.copy_(torch.stack([seen.verify_hidden[layer] for layer in self.target_hidden_layers], dim=2))
+        self.graphs.run("ring-observe", partial(self._observe, seen.lengths))
+
+    def capture(self, state: RoundState, greedy: bool) -> Proposal:
+        """Capture the greedy proposal (idempotent: `cur` rewrites its own ring row) and the observe phase (with no
+        slot active: an empty update)."""
+        if greedy:
+            self.graphs.run("ring-propose", partial(self._greedy, state))
+        self._capture_observe(state.lengths)
+        return Proposal(self.tokens, None if greedy else self.probs)
+
+    def _capture_observe(self, lengths: torch.Tensor) -> None:
+        if self.graphs.enabled and not self._observe_captured:
+            self._active.zero_()
+            self.graphs.run("ring-observe", partial(self._observe, lengths))
+            self._observe_captured = True
+
+    # ---- phases ------------------------------------------------------------------------------------------
+    def _slot_ring(self, slots: slice) -> RingState:
+        r = self.ring
+        return RingState([k[slots] for k in r.keys], [v[slots] for v in r.values], r.positions[slots],
+                         [k[slots] for k in r.slot_keys], [v[slots] for v in r.slot_values])
+
+    def _enter_cur(self, state: RoundState) -> torch.Tensor:
+        """`cur` into the ring at L (fed the boundary) -> its output [B, H]: the first proposal's."""
+        valid = torch.ones_like(state.cur, dtype=torch.bool)[:, None]
+        return self.model.ingest(self.ring, state.cur[:, None], self.boundary[:, None], state.lengths.long()[:, None],
+                                 valid)[:, 0]
+
+    def _greedy(self, state: RoundState) -> torch.Tensor:
+        h = self._enter_cur(state)
+        for g in range(self.gamma):
+            if g:
+                h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
+            self.tokens[:, g] = argmax_last(self.model.target.head(h).float(), use_kernel=self.use_kernel)
+        return self.tokens
+
+    def _observe(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The accepted drafts into the ring (positions L + 1 .. L + accepted, fed the verification's hidden states
+        at L .. L + accepted - 1); the boundary moves to the hidden state at L + accepted."""
+        valid = (self._offsets[None] < self._accepted[:, None]) & self._active[:, None]  # [B, Γ]
+        positions = lengths.long()[:, None] + 1 + self._offsets
+        self.model.ingest(self.ring, self._drafts, self._hidden[:, : self.gamma], positions, valid)
+        new = self._hidden[self._rows, self._accepted]
+        self.boundary.copy_(torch.where(self._active[:, None, None], new, self.boundary))
+        return self.boundary
