@@ -18,6 +18,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
+from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS, MethodSetup
 from trtllm_dustin.serving import ServingConfig
@@ -80,7 +81,8 @@ def test_each_entry_says_what_it_needs(name: str) -> None:
         base = dict(target=target, target_cache=KVCache.allocate(target.config, 2, 64, DTYPE, "cpu"),
                     backend=get_backend("reference"), draft=draft,
                     draft_cache=KVCache.allocate(draft.config, 2, 64, DTYPE, "cpu"), dustin=dustin_config(40, 4),
-                    longspark=random_longspark(target, seed=1))
+                    longspark=random_longspark(target, seed=1),
+                    ring=random_ring_drafter(target, RingDrafterConfig((0, 1), (0, 2), window=8, block=4)))
         return MethodSetup(**{**base, **changes})
 
     decoder = build_decoder(name, setup())
@@ -90,12 +92,18 @@ def test_each_entry_says_what_it_needs(name: str) -> None:
         with pytest.raises(ConfigError, match="needs a draft model; pass --draft"):
             build_decoder(name, setup(draft=None, draft_cache=None))
     else:
-        assert build_decoder(name, setup(draft=None, draft_cache=None)).gamma == (3 if method.needs_longspark else 0)
+        assert build_decoder(name, setup(draft=None, draft_cache=None)).gamma == \
+            (3 if method.needs_longspark or method.needs_ring else 0)
     if method.needs_longspark:
         with pytest.raises(ConfigError, match="needs a LongSpark drafter; pass --longspark"):
             build_decoder(name, setup(longspark=None))
     else:
         assert build_decoder(name, setup(longspark=None)).name == name
+    if method.needs_ring:
+        with pytest.raises(ConfigError, match="needs a ring drafter; pass --ring"):
+            build_decoder(name, setup(ring=None))
+    else:
+        assert build_decoder(name, setup(ring=None)).name == name
     if method.needs_dustin:
         with pytest.raises(ConfigError, match="trtllm-dustin search"):
             build_decoder(name, setup(dustin=None))

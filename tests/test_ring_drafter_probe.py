@@ -64,7 +64,8 @@ def test_the_block_mode_shares_the_ring_pass_and_adds_its_markov_correction(targ
         block.fuse.weight.normal_(std=0.05)
     ar.load_state_dict(block.state_dict(), strict=False)
     tokens = torch.randint(2, 250, (2, 16), generator=torch.Generator().manual_seed(2))
-    hidden = {i: torch.randn(2, 16, 96, dtype=torch.float64) for i in (0, 1)}
+    g = torch.Generator().manual_seed(4)
+    hidden = {i: torch.randn(2, 16, 96, dtype=torch.float64, generator=g) for i in (0, 1)}
     feats = {"hidden": hidden, "final": target.run_whole(tokens)[0]}
     anchors = torch.tensor([4, 8])
     logits, teacher, x = probe.slot_logits(block, target, tokens, anchors, feats)
@@ -75,4 +76,5 @@ def test_the_block_mode_shares_the_ring_pass_and_adds_its_markov_correction(targ
         block.markov_out.normal_()
     shifted, _, _ = probe.slot_logits(block, target, tokens, anchors, feats)
     previous = tokens[:, anchors[:, None] + torch.arange(4)].reshape(-1, 4)
-    torch.testing.assert_close(shifted - logits, block.markov(previous))
+    # fp32 logits: (head + markov) - head keeps the correction to the logits' rounding, not the correction's
+    torch.testing.assert_close(shifted - logits, block.markov(previous), rtol=0, atol=1e-4 * float(logits.abs().max()))

@@ -28,6 +28,14 @@
 #                 seconds on the original windows (FLAGS: its options, say "ar=--mode ar --seconds 900"); a name run
 #                 again in a later call of the same warm machine resumes from ~/ls_out/ring_NAME -> $OUT/ring_NAME.json,
 #                 $OUT/ring_NAME.log (its first run, by hand: benchmarks/results/longspark2/h100_run2/ring_probe/)
+#   ring TOTAL STOP
+#                 join + install; train-ring-drafter on the original windows, TOTAL seconds in all, at most STOP in
+#                 this call (rerun the same command in the next call: it resumes); then a short GPU check of the ring
+#                 method in rounds (eval_tau, 1 window, untrained or not) and, once TOTAL is reached, the tau of the
+#                 AR draft, the packaged LongSpark drafter and the ring drafter (Γ 3 and 7, T 0 and 1, 4K and 8K,
+#                 $DOCS windows per family, default 16) -> $OUT/ring.tgz (the record, the loss curve, the logs, tau)
+#   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
+#                 shapes, random weights; $BATCH, default 4) -> $OUT/cost_ring.json, .png
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -48,7 +56,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -114,6 +122,32 @@ probe)
   wait
   tail -n 4 "$OUT"/ring_*.log
   ;;
+ring)
+  total=${2:?ring TOTAL_SECONDS STOP_SECONDS}; stop=${3:?ring TOTAL_SECONDS STOP_SECONDS}
+  restore
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null
+  mkdir -p "$L/ring_out"
+  trap 'cp "$L"/ring/training_record.json "$L"/ring/loss_curve.png "$L/ring_out/" 2>/dev/null; tar czf "$OUT/ring.tgz" -C "$L/ring_out" .' EXIT
+  python3 -m trtllm_dustin.cli train-ring-drafter --tokens "$S/tokens.npy" --out "$L/ring" --max-seconds "$total" \
+    --stop-after "$stop" > "$L/ring_out/train.log" 2>&1 || echo "train: exit $?"
+  tail -c 400 "$L/ring_out/train.log"
+  python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --methods ring --ring "$L/ring/checkpoint" \
+    --contexts 4096 --docs 1 --new-tokens 16 --gammas 7 --out "$L/ring_out/check.json" > "$L/ring_out/check.log" 2>&1 \
+    || echo "the ring method's check in rounds: exit $? (ring_out/check.log)"
+  if python3 -c "import json, sys; sys.exit(json.load(open('$L/ring/training_record.json'))['seconds'] < $total - 1)"; then
+    timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
+      --methods classic longspark ring --ring "$L/ring/checkpoint" --contexts 4096 8192 --gammas 3 7 \
+      --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/tau_ring.json" > "$L/ring_out/tau.log" 2>&1 \
+      || echo "tau: exit $? (rows saved so far are kept)"
+    tail -n 12 "$L/ring_out/tau.log"
+  fi
+  ;;
+ring-cost)
+  GIT_SHA=$(cat "$S/git_sha" 2>/dev/null || git rev-parse --short HEAD); export GIT_SHA
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  python3 benchmarks/bench_longspark_cost.py --methods longspark ring --gamma 7 --batch "${BATCH:-4}" \
+    --contexts 8192,32768,65536,131072 --out "$OUT/cost_ring.json"
+  ;;
 tau)
   shift
   names=()
@@ -143,7 +177,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S" >&2
   exit 2
   ;;
 esac

@@ -86,7 +86,7 @@ class BlockRingDrafter(RingDrafter):
         A, device = anchors.shape[0], tokens.device
         f = self.features(hidden)
         f = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
-        x = target.embed(tokens).float() + f
+        x = target.embed(tokens).to(self.dtype) + f
         pos = torch.arange(T, device=device)
         slot_pos = anchors[:, None] + torch.arange(G, device=device)  # [A, G]
         rows = anchors[:, None] - W + torch.arange(W, device=device)  # [L - W, L); slot 0 is x_L

@@ -16,6 +16,7 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
+from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
@@ -64,6 +65,13 @@ def longspark_drafter():
     return random_longspark(_models()[0], seed=WEIGHTS_SEED + 1)
 
 
+@functools.cache
+def ring_drafter():
+    """A random ring drafter of the served target (evaluation only: the in-flight parity of the method "ring")."""
+    return random_ring_drafter(_models()[0], RingDrafterConfig((0, 1), (0, 2), window=8, block=4),
+                               seed=WEIGHTS_SEED + 2)
+
+
 def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                 seed: int = 0, draft=None) -> str:
     """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters."""
@@ -74,7 +82,7 @@ def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.
         target=target, target_cache=KVCache.allocate(target.config, 1, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft if speculative else None,
         draft_cache=KVCache.allocate(draft.config, 1, MAX_SEQ_LEN, torch.float32, "cpu") if speculative else None,
-        gamma=SERVED.gamma, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
+        gamma=SERVED.gamma, dustin=DUSTIN, longspark=longspark_drafter(), ring=ring_drafter(), use_cuda_graph=False))
     config = GenerationConfig(max_tokens, SamplingParams(temperature, top_p, seed), EOS, prefill_chunk=16)
     with reference_kernels():
         tokens = decoder.generate([[ord(c) for c in text]], config).tokens[0]
@@ -90,7 +98,8 @@ def make_batcher(method: str, slots: int, draft=None, prefill_chunk: int = 16, *
         target=target, target_cache=KVCache.allocate(target.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft,
         draft_cache=KVCache.allocate(draft.config, slots, MAX_SEQ_LEN, torch.float32, "cpu"), gamma=SERVED.gamma,
-        draft_budget=SERVED.draft_budget, dustin=DUSTIN, longspark=longspark_drafter(), use_cuda_graph=False))
+        draft_budget=SERVED.draft_budget, dustin=DUSTIN, longspark=longspark_drafter(), ring=ring_drafter(),
+        use_cuda_graph=False))
     return InflightBatcher(decoder, EOS, prefill_chunk=prefill_chunk, **batching)
 
 

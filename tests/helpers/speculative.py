@@ -19,6 +19,7 @@ from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.longspark import LongSpark, random_longspark
+from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.methods import METHODS, MethodSetup
@@ -38,6 +39,7 @@ class Env:
     device: torch.device
     backend: str  # the CPU runs the PyTorch reference eagerly; CUDA runs the Triton kernels from CUDA graphs
     spark: LongSpark | None = None  # a random LongSpark drafter of the target (window 8: most contexts outgrow it)
+    ring: RingDrafter | None = None  # a random ring drafter of the target (ring of 8 rows, so is it)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -46,7 +48,8 @@ def env(request: pytest.FixtureRequest) -> Env:
     target = load_model("preset:tiny-llama", device=device, dtype=DTYPE, seed=7).model
     draft = load_model("preset:tiny-llama-draft", device=device, dtype=DTYPE, seed=8).model
     spark = random_longspark(target, seed=9, window=8, summary=4, block=4)
-    return Env(target, draft, device, "triton" if device.type == "cuda" else "reference", spark)
+    ring = random_ring_drafter(target, RingDrafterConfig((0, 1), (0, 2), window=8, block=4), seed=10)
+    return Env(target, draft, device, "triton" if device.type == "cuda" else "reference", spark, ring)
 
 
 def dustin_config(budget: int, m: int, n_recent: int = 16) -> DustinConfig:
@@ -62,7 +65,7 @@ def run(method: str, env: Env, draft: Transformer | None = None, dustin=None, ma
     setup = MethodSetup(target=env.target, target_cache=target_cache,
                         backend=get_backend(env.backend), draft=draft,
                         draft_cache=KVCache.allocate(draft.config, 4, S_MAX, DTYPE, env.device), gamma=GAMMA,
-                        draft_budget=12, dustin=dustin, longspark=env.spark,
+                        draft_budget=12, dustin=dustin, longspark=env.spark, ring=env.ring,
                         use_cuda_graph=not METHODS[method].eager_only)
     decoder = build_decoder(method, setup)
     return decoder, decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=max_new, prefill_chunk=32, **config))

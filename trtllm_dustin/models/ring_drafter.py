@@ -34,7 +34,8 @@ from trtllm_dustin.models.decoder import RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.validation import load_versioned, versioned_json
 
-__all__ = ["RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState", "load_ring_drafter"]
+__all__ = ["RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState", "load_ring_drafter",
+           "random_ring_drafter"]
 
 RING_SCHEMA_VERSION = 1
 _RETRAIN = "train one for it with `trtllm-dustin train-ring-drafter`"
@@ -325,4 +326,15 @@ def load_ring_drafter(directory: str | Path, target: Transformer) -> RingDrafter
     config.check_target(target.config)
     model = RingDrafter(config, target)
     model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    return model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
+
+
+def random_ring_drafter(target: Transformer, config: RingDrafterConfig, seed: int = 0) -> RingDrafter:
+    """A ring drafter at `config`'s shape with F and P random too (training starts them at zero), in the target's
+    dtype and on its device: the real shapes for benchmarks."""
+    model = RingDrafter(config, target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for linear in (model.fuse, model.own):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) / linear.weight.shape[1] ** 0.5)
     return model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
