@@ -309,68 +309,58 @@ def build_parser() -> argparse.ArgumentParser:
     from trtllm_dustin.training.longspark import LongSparkTrainConfig
 
     defaults = LongSparkTrainConfig()
-    spark = sub.add_parser("train-longspark", help="train a LongSpark drafter against its frozen target (GPU; "
-                           "resumable: rerun with the same --out)",
-                           formatter_class=DefaultsHelp)
-    spark.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
-    spark.add_argument("--out", type=Path, required=True,
-                       help="directory for checkpoint/, resume.pt, the training record and the loss curve")
-    spark.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
+    spark = _window_trainer(sub, "train-longspark", "train a LongSpark drafter against its frozen target", defaults,
+                            (("window", "recent target KV rows per layer and head (W)"),
+                             ("summary", "summary entries per layer and KV head (R)"),
+                             ("block", "draft slots per block: the most tokens a round can propose"),
+                             ("lora_rank", "rank of each block's adapters"),
+                             ("fuse_rank", "rank of the boundary-state fusion (the hidden size: full rank)"),
+                             ("markov_rank", "rank of the per-slot Markov (bigram) correction")), _train_longspark)
     spark.add_argument("--target-layers", default=",".join(map(str, defaults.target_layers)),
                        help="target layers read, one drafter block each")
-    for name, text in (("window", "recent target KV rows per layer and head (W)"),
-                       ("summary", "summary entries per layer and KV head (R)"),
-                       ("block", "draft slots per block: the most tokens a round can propose"),
-                       ("lora_rank", "rank of each block's adapters"),
-                       ("fuse_rank", "rank of the boundary-state fusion (the hidden size: full rank)"),
-                       ("markov_rank", "rank of the per-slot Markov (bigram) correction"),
-                       ("seq_len", "tokens per training window"),
-                       ("batch_size", "windows per step"), ("anchor_stride", "positions between anchors"),
-                       ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
-                       ("seed", "initialisation, data order and anchors")):
-        spark.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
-    spark.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
     spark.add_argument("--anchor-from", type=int, default=defaults.anchor_from,
                        help="anchors only at positions >= this (windows from regenerate-data: its --context, the "
                        "part the target wrote); 1: the whole window")
     spark.add_argument("--position-decay", type=float, default=defaults.position_decay,
                        help="draft slot g's loss weighted by this ** g (acceptance is a prefix product); 1: alike")
-    spark.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
-    spark.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
-                       "None: at --steps")
-    spark.add_argument("--stop-after", type=float, default=None, help="end this run after this many seconds, to be "
-                       "resumed by the same command (the cosine still spans --max-seconds); None: no such end")
-    spark.set_defaults(func=_train_longspark)
 
     from trtllm_dustin.training.ring_drafter import RingTrainConfig
 
     defaults = RingTrainConfig()
-    ring = sub.add_parser("train-ring-drafter", help="train a ring drafter (own layers over a fixed ring of recent "
-                          "positions, fed with the target's hidden states) against its frozen target (GPU; resumable: "
-                          "rerun with the same --out)", formatter_class=DefaultsHelp)
-    ring.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
-    ring.add_argument("--out", type=Path, required=True,
-                      help="directory for checkpoint/, resume.pt, the training record and the loss curve")
-    ring.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
+    ring = _window_trainer(sub, "train-ring-drafter", "train a ring drafter (own layers over a fixed ring of recent "
+                           "positions, fed with the target's hidden states) against its frozen target", defaults,
+                           (("window", "ring rows each position and slot attends to (W)"),
+                            ("block", "the most tokens a round proposes"),
+                            ("causal_stride", "ring-pass positions between scored ones")), _train_ring_drafter)
     ring.add_argument("--read-layers", default=",".join(map(str, defaults.read_layers)),
                       help="target layers whose hidden states feed each position")
     ring.add_argument("--own-layers", default=",".join(map(str, defaults.own_layers)),
                       help="target layers copied as the drafter's own layers at the start (their count: its depth)")
-    for name, text in (("window", "ring rows each position and slot attends to (W)"),
-                       ("block", "the most tokens a round proposes"),
-                       ("causal_stride", "ring-pass positions between scored ones"),
-                       ("seq_len", "tokens per training window"),
-                       ("batch_size", "windows per step"), ("anchor_stride", "positions between anchors"),
-                       ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
-                       ("seed", "initialisation, data order and anchors")):
-        ring.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=text)
-    ring.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
-    ring.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
-    ring.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
-                      "None: at --steps")
-    ring.add_argument("--stop-after", type=float, default=None, help="end this run after this many seconds, to be "
-                      "resumed by the same command (the cosine still spans --max-seconds); None: no such end")
-    ring.set_defaults(func=_train_ring_drafter)
+    return parser
+
+
+def _window_trainer(sub, name: str, about: str, defaults, own: tuple[tuple[str, str], ...], func
+                    ) -> argparse.ArgumentParser:
+    """A training command over token windows (training/windows.py): the options every such drafter takes, after its
+    own integer options `own` (name, help), with the defaults of its config."""
+    parser = sub.add_parser(name, help=f"{about} (GPU; resumable: rerun with the same --out)",
+                            formatter_class=DefaultsHelp)
+    parser.add_argument("--tokens", type=Path, required=True, help="file from prepare-distill-data (train split)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="directory for checkpoint/, resume.pt, the training record and the loss curve")
+    parser.add_argument("--target", default=None, help="target model; None: SmolLM2-135M-Instruct")
+    for option, text in (*own, ("seq_len", "tokens per training window"), ("batch_size", "windows per step"),
+                         ("anchor_stride", "positions between anchors"),
+                         ("steps", "optimiser steps (a --max-seconds budget usually ends the run first)"),
+                         ("seed", "initialisation, data order and anchors")):
+        parser.add_argument(f"--{option.replace('_', '-')}", type=int, default=getattr(defaults, option), help=text)
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (cosine decay)")
+    parser.add_argument("--device", default=None, help="cuda or cpu; None: cuda when available")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training; "
+                        "None: at --steps")
+    parser.add_argument("--stop-after", type=float, default=None, help="end this run after this many seconds, to be "
+                        "resumed by the same command (the cosine still spans --max-seconds); None: no such end")
+    parser.set_defaults(func=func)
     return parser
 
 
@@ -422,16 +412,32 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_longspark(args: argparse.Namespace) -> int:
+def _check_tokens(args: argparse.Namespace) -> None:
+    """A training command's --tokens file exists (before anything loads)."""
     from trtllm_dustin.config import ConfigError
-    from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
 
-    device = args.device or _default_device()
     if not args.tokens.is_file():
         raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
                           f"--out {args.tokens} --seq-len {args.seq_len}`")
-    layers = tuple(int(i) for i in args.target_layers.split(",") if i.strip())
-    cfg = LongSparkTrainConfig(target_layers=layers, window=args.window, summary=args.summary, block=args.block,
+
+
+def _layer_list(text: str, option: str) -> tuple[int, ...]:
+    """'0,10,20' -> (0, 10, 20), or a ConfigError naming the option."""
+    from trtllm_dustin.config import ConfigError
+
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: give layer numbers separated by commas, e.g. 0,10,20,29") from None
+
+
+def _train_longspark(args: argparse.Namespace) -> int:
+    from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
+
+    device = args.device or _default_device()
+    _check_tokens(args)
+    cfg = LongSparkTrainConfig(target_layers=_layer_list(args.target_layers, "--target-layers"), window=args.window,
+                               summary=args.summary, block=args.block,
                                lora_rank=args.lora_rank, fuse_rank=args.fuse_rank, markov_rank=args.markov_rank,
                                seq_len=args.seq_len, batch_size=args.batch_size,
                                anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
@@ -445,22 +451,12 @@ def _train_longspark(args: argparse.Namespace) -> int:
 
 
 def _train_ring_drafter(args: argparse.Namespace) -> int:
-    from trtllm_dustin.config import ConfigError
     from trtllm_dustin.training.ring_drafter import RingTrainConfig, train_ring_drafter
 
     device = args.device or _default_device()
-    if not args.tokens.is_file():
-        raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
-                          f"--out {args.tokens} --seq-len {args.seq_len}`")
-
-    def layers(text: str, option: str) -> tuple[int, ...]:
-        try:
-            return tuple(int(i) for i in text.split(",") if i.strip())
-        except ValueError:
-            raise ConfigError(f"{option} {text!r}: give layer numbers separated by commas, e.g. 0,10,20,29") from None
-
-    cfg = RingTrainConfig(read_layers=layers(args.read_layers, "--read-layers"),
-                          own_layers=layers(args.own_layers, "--own-layers"), window=args.window, block=args.block,
+    _check_tokens(args)
+    cfg = RingTrainConfig(read_layers=_layer_list(args.read_layers, "--read-layers"),
+                          own_layers=_layer_list(args.own_layers, "--own-layers"), window=args.window, block=args.block,
                           causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
                           anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
                           warmup=min(50, args.steps // 10))

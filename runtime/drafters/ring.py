@@ -128,7 +128,8 @@ class RingDrafting:
         self._accepted.copy_(seen.accepted)
         self._active.copy_(seen.active)
         self._drafts.copy_(self.tokens)
-        self._hidden.copy_(torch.stack([seen.verify_hidden[layer] for layer in self.target_hidden_layers], dim=2))
+        for j, layer in enumerate(self.target_hidden_layers):  # per layer: no temporary per round
+            self._hidden[:, :, j].copy_(seen.verify_hidden[layer])
         self.graphs.run("ring-observe", partial(self._observe, seen.lengths))
 
     def capture(self, state: RoundState, greedy: bool) -> Proposal:

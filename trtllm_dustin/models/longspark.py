@@ -23,7 +23,6 @@ A checkpoint holds only LongSpark's own weights (adapters, norms, fusion, summar
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch import nn
 
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
+from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import Block, RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.validation import load_versioned, versioned_json
@@ -270,15 +270,7 @@ class LongSpark(nn.Module):
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, directory: str | Path, record: dict | None = None) -> None:
         """Write config.json and model.safetensors (LongSpark's own weights only, bf16)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(self.config.to_json() + "\n")
-        tensors = {name: p.detach().to(torch.bfloat16).contiguous().cpu() for name, p in self.state_dict().items()}
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        if record is not None:
-            (directory / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+        save_drafter(self, directory, self.config.to_json(), record)
 
 
 def _block_attention(q, q_raw, k_loc, v_loc, win_k, win_v, win_valid, sum_k, sum_bias, sum_o, scale) -> torch.Tensor:

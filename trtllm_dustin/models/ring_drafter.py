@@ -20,7 +20,6 @@ untrained drafter is the copied target layers over the token embeddings.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from torch import nn
 
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
+from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.validation import load_versioned, versioned_json
@@ -301,15 +301,7 @@ class RingDrafter(nn.Module):
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, directory: str | Path, record: dict | None = None) -> None:
         """Write config.json and model.safetensors (the drafter's own weights only, bf16)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(self.config.to_json() + "\n")
-        tensors = {name: p.detach().to(torch.bfloat16).contiguous().cpu() for name, p in self.state_dict().items()}
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        if record is not None:
-            (directory / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+        save_drafter(self, directory, self.config.to_json(), record)
 
 
 def load_ring_drafter(directory: str | Path, target: Transformer) -> RingDrafter:
