@@ -15,7 +15,9 @@ Vanilla's distance from its floor, (weights + KV bytes) / 4.26 TB/s, is printed.
 The LongSpark rows (longspark, dustin-t-longspark, dustin-h-longspark) run a random LongSpark drafter sized like
 the paper's (five blocks on target layers spread over the depth, one of them the Dustin config's target SRH layer,
 W = 256, R = 16, a block of 7 slots proposing Γ). Their stated tau is the pair's tau times a measured ratio
-(--tau-ratios, from the real pair: LongSpark's tau over the autoregressive draft's), labelled so.
+(--tau-ratios, from the real pair: LongSpark's tau over the autoregressive draft's), labelled so. The ring rows
+(method "ring", evaluation only) run a random ring drafter: --ring-layers own layers of the target's shape, reading
+the same five layers' hidden states, a ring of 256 rows; their stated tau takes a ratio the same way.
 
 A speculative method named with the suffix "+fp8kv" (e.g. dustin-h+fp8kv) runs with the draft's KV cache in fp8
 (e4m3, `trtllm_dustin.plugins.kv_dtype`): half the draft's cache reads; the target's cache stays bf16.
@@ -47,6 +49,7 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark, spread_layers
+from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
 from trtllm_dustin.plugins.pdl import pdl_supported
@@ -212,16 +215,20 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     kernels = args.kernels
     backend = attention_backend(device, kernels)
     sampling = SlotSampling.batch(SamplingParams(), batch, device)
-    spark = None
+    spark = ring = None
+    layers = longspark_layers(target.config.num_layers, pair.dustin.target_layers[0].layer)
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
-        layers = longspark_layers(target.config.num_layers, pair.dustin.target_layers[0].layer)
         spark = random_longspark(target, seed=2, target_layers=layers)
+    if any(METHODS[split_method(m)[0]].needs_ring for m in args.methods):
+        ring = random_ring_drafter(target, RingDrafterConfig(layers, spread_layers(target.config.num_layers,
+                                                                                   args.ring_layers), 256, 7), seed=3)
     runs = [(method, budget) for method in args.methods
             for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
     for method, budget in runs:
         base, fp8 = split_method(method)
         dustin = pair.dustin.with_budget(budget) if budget is not None else pair.dustin
-        decoder = build_runtime(base, target, draft=draft, longspark=spark, dustin=dustin, target_cache=tcache,
+        decoder = build_runtime(base, target, draft=draft, longspark=spark, ring=ring, dustin=dustin,
+                                target_cache=tcache,
                                 draft_cache=dcache8 if fp8 else dcache, kernels=kernels, backend=backend, gamma=gamma,
                                 use_cuda_graph=device.type == "cuda")
         ratio = args.tau_ratios.get(method, 1.0)
@@ -255,7 +262,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
                 label = "stated tau (random weights)" if method not in args.tau_ratios else \
                     f"stated tau x measured ratio {ratio:.3f} (random weights)"
                 row.update(tau_stated=tau, alpha=alpha, acceptance=label)
-                if spark is not None and METHODS[base].needs_longspark:
+                if METHODS[base].needs_longspark or METHODS[base].needs_ring:
                     row["drafter_state_bytes"] = decoder.drafter.state_bytes()
             else:
                 floor = (weight_bytes + target.config.kv_bytes_per_token(2) * batch * (context + 1)) / bandwidth \
@@ -356,6 +363,8 @@ def main() -> None:
                         "(a measured ratio of its tau to the autoregressive draft's on the real pair)")
     parser.add_argument("--gamma", type=int, default=None, help="tokens proposed per round (default: the pair's, 3); "
                         "the stated tau is drawn over Γ + 1 outcomes. LongSpark proposes at most its block (7)")
+    parser.add_argument("--ring-layers", type=int, default=4, help="the ring drafter's own layers, of the target's "
+                        "shape (the ring method; default: 4, the probe's)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")

@@ -111,18 +111,20 @@ def test_budget_runs_every_sparse_method_at_each_k_and_full_ones_once(tmp_path: 
 
 
 def test_gamma_sets_every_methods_round(tmp_path: Path) -> None:
-    """--gamma 5: the stated tau is drawn over 6 outcomes (rounds can commit up to 6), recorded in the JSON; a Γ
-    whose rounds cannot reach the stated tau, or past LongSpark's block, is refused before the models load."""
+    """--gamma 5 (every drafter, the ring drafter's too): the stated tau is drawn over 6 outcomes (rounds can commit up
+    to 6), recorded in the JSON; a Γ whose rounds cannot reach the stated tau, or past LongSpark's block, is refused
+    before the models load."""
     out = tmp_path / "e2e_gamma.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--batches", "2",
                     "--contexts", "72", "--rounds", "6", "--device", "cpu", "--methods",
-                    "vanilla,classic,dustin-h-longspark", "--gamma", "5", "--tau", "5.9", "--out", str(out)],
+                    "vanilla,classic,dustin-h-longspark,ring", "--gamma", "5", "--tau", "5.9", "--out", str(out)],
                    check=True, env=env, cwd=BENCHMARKS, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
     assert result["gamma"] == 5
     rows = {r["method"]: r for r in result["rows"]}
-    for method in ("classic", "dustin-h-longspark"):
+    assert rows["ring"]["drafter_state_bytes"] > 0  # the ring drafter's rounds ran beside the others
+    for method in ("classic", "dustin-h-longspark", "ring"):
         # 12 draws (2 slots x 6 rounds) of a mean-5.9 distribution over 1..6 (P(6) = 0.967): their mean is past Γ =
         # 3's cap of 4 (a mean <= 4 came up in none of 200,000 simulated runs) and never past 6
         assert rows[method]["tau_stated"] == 5.9 and 4 < rows[method]["tau_realized"] <= 6
