@@ -251,3 +251,14 @@ def test_fidelity_table_means_tasks_and_measures_the_gap_closed() -> None:
     accum = next(line for line in lines if line.startswith("| dustin-h-accum"))
     # task means: FullKV 70, Dustin-H 30, oracle 60, accum 45: half of the gap to the oracle
     assert accum == "| dustin-h-accum | 128 | 45.0 | -25.0 | - | - | +50% |"
+
+
+def test_the_ring_method_is_refused_before_loading(monkeypatch, capsys) -> None:
+    """The ring drafter's ring comes from the prefill's hidden states, which this harness's shared prefill does not
+    keep: --methods ring stops at once and says where it is measured."""
+    monkeypatch.setattr(sys, "argv", ["eval_quality.py", "--methods", "classic", "ring", "--device", "cpu"])
+    monkeypatch.setattr(eval_quality, "load_model", lambda *a, **k: pytest.fail("the target loaded"))
+    with pytest.raises(SystemExit) as stop:
+        eval_quality.main()
+    assert stop.value.code == 2 and "--methods ring: the ring drafter is measured by eval_tau.py" in \
+        capsys.readouterr().err
