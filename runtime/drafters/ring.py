@@ -83,7 +83,8 @@ class RingDrafting:
         rows = self.window_rows
         start = view.slots.indices(self.boundary.shape[0])[0]
         n = view.lengths.shape[0]
-        window = torch.stack([view.hidden_window[layer] for layer in self.window_layers], dim=2)  # [n, W + 1, R, H]
+        # [n, fill_span + 1, R, H]: the prompt's last positions' hidden states at the read layers
+        window = torch.stack([view.hidden_window[layer] for layer in self.window_layers], dim=2)
         self.boundary[start: start + n] = window[:, -1]
         # ring positions length - span .. length - 1, each fed the hidden state at the position before it
         span = rows - 1
