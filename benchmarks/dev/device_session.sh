@@ -33,7 +33,8 @@
 #                 this call (rerun the same command in the next call: it resumes); then a short GPU check of the ring
 #                 method in rounds (eval_tau, 1 window, untrained or not) and, once TOTAL is reached, the tau of the
 #                 AR draft, the packaged LongSpark drafter and the ring drafter (Γ 3 and 7, T 0 and 1, 4K and 8K,
-#                 $DOCS windows per family, default 16) -> $OUT/ring.tgz (the record, the loss curve, the logs, tau)
+#                 $DOCS windows per family, default 16) -> $OUT/ring.tgz (the record, the loss curve, the logs, tau).
+#                 A CPU check: RING_FLAGS="--seq-len 256 --batch-size 1 --device cpu" RING_CONTEXTS=512 DOCS=1
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4) -> $OUT/cost_ring.json, .png
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
@@ -128,15 +129,17 @@ ring)
   bash benchmarks/run_longspark2_h200.sh setup > /dev/null
   mkdir -p "$L/ring_out"
   trap 'cp "$L"/ring/training_record.json "$L"/ring/loss_curve.png "$L/ring_out/" 2>/dev/null; tar czf "$OUT/ring.tgz" -C "$L/ring_out" .' EXIT
+  read -r -a train_flags <<< "${RING_FLAGS:-}"  # more train-ring-drafter flags (a CPU check: small sizes)
+  read -r -a contexts <<< "${RING_CONTEXTS:-4096 8192}"
   python3 -m trtllm_dustin.cli train-ring-drafter --tokens "$S/tokens.npy" --out "$L/ring" --max-seconds "$total" \
-    --stop-after "$stop" > "$L/ring_out/train.log" 2>&1 || echo "train: exit $?"
+    --stop-after "$stop" "${train_flags[@]}" > "$L/ring_out/train.log" 2>&1 || echo "train: exit $?"
   tail -c 400 "$L/ring_out/train.log"
   python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --methods ring --ring "$L/ring/checkpoint" \
-    --contexts 4096 --docs 1 --new-tokens 16 --gammas 7 --out "$L/ring_out/check.json" > "$L/ring_out/check.log" 2>&1 \
-    || echo "the ring method's check in rounds: exit $? (ring_out/check.log)"
+    --contexts "${contexts[0]}" --docs 1 --new-tokens 16 --gammas 7 --out "$L/ring_out/check.json" \
+    > "$L/ring_out/check.log" 2>&1 || echo "the ring method's check in rounds: exit $? (ring_out/check.log)"
   if python3 -c "import json, sys; sys.exit(json.load(open('$L/ring/training_record.json'))['seconds'] < $total - 1)"; then
     timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
-      --methods classic longspark ring --ring "$L/ring/checkpoint" --contexts 4096 8192 --gammas 3 7 \
+      --methods classic longspark ring --ring "$L/ring/checkpoint" --contexts "${contexts[@]}" --gammas 3 7 \
       --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/tau_ring.json" > "$L/ring_out/tau.log" 2>&1 \
       || echo "tau: exit $? (rows saved so far are kept)"
     tail -n 12 "$L/ring_out/tau.log"
