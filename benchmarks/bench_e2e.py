@@ -180,9 +180,8 @@ def start_at(decoder: Decoder, batch: int, context: int, tokens: torch.Tensor, w
                for layer in decoder.target_query_layers}
     hidden = {layer: torch.randn(batch, config.hidden_size, dtype=dtype, device=tokens.device)
               for layer in decoder.target_hidden_layers}
-    rows = getattr(decoder.drafter, "window_rows", 0)  # a drafter that reads the prompt's last positions (the ring)
-    window = {layer: torch.randn(batch, rows, config.hidden_size, dtype=dtype, device=tokens.device)
-              for layer in getattr(decoder.drafter, "window_layers", ())}
+    window = {layer: torch.randn(batch, decoder.drafter.window_rows, config.hidden_size, dtype=dtype,
+                                 device=tokens.device) for layer in decoder.drafter.window_layers}
     decoder.prefilled(slice(0, batch), prompts, queries, hidden, window)
     progress = Progress.allocate(batch, width, decoder.gamma, (), tokens.device)
     decoder.begin(progress, slice(0, batch), tokens, prompts, width)

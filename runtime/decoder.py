@@ -289,12 +289,10 @@ class SlotPrefill:
         n, dtype, device = len(prompts), decoder.target.embed.weight.dtype, decoder.device
         self.hidden = {layer: torch.zeros(n, decoder.target.config.hidden_size, dtype=dtype, device=device)
                        for layer in decoder.target_hidden_layers}
-        drafter = decoder.drafter  # a drafter may ask for the hidden states of the prompts' last positions
         self.start = start
         self.target = PrefillJob(decoder.target, decoder.cache, decoder.backend, prompts, chunk,
                                  decoder.target_query_layers, hidden_out=self.hidden, start=start, slots=slots,
-                                 window_layers=getattr(drafter, "window_layers", ()),
-                                 window_rows=getattr(drafter, "window_rows", 0))
+                                 window_layers=decoder.drafter.window_layers, window_rows=decoder.drafter.window_rows)
         self.draft = decoder.drafter.prefill(slots, prompts, chunk, start)  # None: the drafter keeps no cache
         self.logits: torch.Tensor | None = None
 

@@ -53,8 +53,9 @@ class PrefillView:
     lengths: torch.Tensor  # int32 [n]: prompt lengths
     queries: dict[int, torch.Tensor]  # target layer -> [n, H_q, D]: the last prompt token's rotated query
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # target layer -> [n, H]: its hidden state
-    # target layer -> [n, R, H]: the hidden states of each prompt's last R positions (a drafter that asks for them:
-    # `window_layers`, `window_rows`), row r at position length - R + r; positions below window_start were not run
+    # target layer -> [n, R, H]: the hidden states of each prompt's last R positions (for the drafter's
+    # `window_layers`, R = its `window_rows`), row r at position length - R + r; positions below window_start were not
+    # run
     hidden_window: dict[int, torch.Tensor] = field(default_factory=dict)
     window_start: int = 0
 
@@ -63,6 +64,10 @@ class Drafter(Protocol):
     gamma: int  # tokens proposed per round
     target_query_layers: tuple[int, ...]  # target layers whose queries it reads (PrefillView, Observation)
     target_hidden_layers: tuple[int, ...]  # target layers whose hidden states it reads (PrefillView, Observation)
+    # target layers whose hidden states of the prompt's last `window_rows` positions it reads at admission
+    # (PrefillView.hidden_window; the ring drafter's); () and 0: none
+    window_layers: tuple[int, ...]
+    window_rows: int
 
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0
                 ) -> PrefillJob | None:

@@ -51,6 +51,7 @@ from trtllm_dustin.models import load_model  # noqa: E402
 from trtllm_dustin.models.longspark import load_longspark  # noqa: E402
 from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig  # noqa: E402
 from trtllm_dustin.training.ring_drafter import RingTrainConfig, ring_loss  # noqa: E402
+from trtllm_dustin.training.ring_drafter import slot_logits as training_slot_logits  # noqa: E402
 from trtllm_dustin.training.windows import train_on_windows, write_trained  # noqa: E402
 
 READ = (3, 9, 15, 22, 29)  # the target layers whose hidden states feed F (LongSpark's)
@@ -111,16 +112,10 @@ def build(target, mode: str, own: tuple[int, ...], window: int, block: int, mark
 
 
 def slot_logits(model, target, tokens, anchors, feats):
-    """The drafter's proposal logits [B * A, G, V] (fp32) at every anchor, beside the teacher's, and the band pass."""
-    hidden = torch.stack([feats["hidden"][layer] for layer in READ], dim=2)
-    x, s = model.forward_train(tokens, hidden, anchors)
-    G = model.config.block
-    slot_pos = anchors[:, None] + torch.arange(G, device=tokens.device)
-    with torch.no_grad():
-        teacher = target.head(feats["final"][:, slot_pos]).reshape(-1, G, target.config.vocab_size)
-    previous = tokens[:, slot_pos].reshape(-1, G)  # slot g's previous token: the true one at L + g
-    markov = model.markov(previous) if isinstance(model, BlockRingDrafter) else 0.0
-    return target.head(s).float() + markov, teacher, x
+    """The drafter's proposal logits [B * A, G, V] (fp32) at every anchor, beside the teacher's, and the band pass
+    (the block variant adds its Markov correction of the true previous token)."""
+    correction = model.markov if isinstance(model, BlockRingDrafter) else None
+    return training_slot_logits(model, target, tokens, anchors, feats, correction)
 
 
 @torch.no_grad()
@@ -218,8 +213,8 @@ def main() -> None:
                           anchor_stride=args.anchor_stride, lr=args.lr)
 
     def loss(model, target, tokens, anchors):
-        correction = model.markov if isinstance(model, BlockRingDrafter) else None
-        return ring_loss(model, target, tokens, anchors, cfg.causal_stride, correction)
+        return ring_loss(model, target, tokens, anchors, cfg.causal_stride,
+                         model.markov if isinstance(model, BlockRingDrafter) else None)
 
     model, target, common, losses = train_on_windows(
         args.tokens, args.train_dir, cfg, lambda t: build(t, args.mode, own, args.window, args.block, args.markov_rank),

@@ -35,6 +35,8 @@ _PREFILL_ROWS = 4096  # prompt rows folded into the summaries per merge at admis
 
 class LongSparkDrafter:
     target_query_layers: tuple[int, ...] = ()
+    window_layers: tuple[int, ...] = ()
+    window_rows: int = 0
 
     def __init__(self, model: LongSpark, cache: KVCache, gamma: int, graphs: PhaseGraphs,
                  use_kernel: bool = True, kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:

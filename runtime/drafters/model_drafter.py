@@ -46,6 +46,8 @@ class DraftView(Protocol):
 class ModelDrafter:
     target_query_layers: tuple[int, ...] = ()  # it reads its own model's queries (lookahead), not the target's
     target_hidden_layers: tuple[int, ...] = ()
+    window_layers: tuple[int, ...] = ()
+    window_rows: int = 0
 
     def __init__(self, model: Transformer, cache: KVCache, view: DraftView, backend: AttentionBackend, gamma: int,
                  target_vocab: int, graphs: PhaseGraphs, use_kernel: bool = True) -> None:

@@ -19,6 +19,8 @@ class NoDraft:
     gamma = 0
     target_query_layers: tuple[int, ...] = ()
     target_hidden_layers: tuple[int, ...] = ()
+    window_layers: tuple[int, ...] = ()
+    window_rows: int = 0
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device) -> None:
         self.tokens = torch.zeros(slots, 0, dtype=torch.long, device=device)

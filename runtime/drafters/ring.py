@@ -111,14 +111,12 @@ class RingDrafting:
         if sampling.all_greedy:
             self.graphs.run("ring-propose", partial(self._greedy, state))
             return Proposal(self.tokens, None)
-        h = self._enter_cur(state)
-        for g in range(self.gamma):
-            if g:
-                h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
-            logits = self.model.target.head(h).float()
-            probs = sampling.probs(logits)
-            self.tokens[:, g] = sampling.pick(logits, probs)
-            self.probs[:, g] = probs
+
+        def draw(g: int, logits: torch.Tensor) -> torch.Tensor:
+            self.probs[:, g] = probs = sampling.probs(logits)
+            return sampling.pick(logits, probs)
+
+        self._draft(state, draw)
         return Proposal(self.tokens, self.probs)
 
     def observe(self, seen: Observation) -> None:
@@ -159,13 +157,17 @@ class RingDrafting:
         return self.model.ingest(self.ring, state.cur[:, None], self.boundary[:, None], state.lengths.long()[:, None],
                                  valid)[:, 0]
 
-    def _greedy(self, state: RoundState) -> torch.Tensor:
+    def _draft(self, state: RoundState, choose) -> torch.Tensor:
+        """`cur` into the ring, then Γ proposals, slot g's token choose(g, its logits [B, V] fp32)."""
         h = self._enter_cur(state)
         for g in range(self.gamma):
             if g:
                 h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
-            self.tokens[:, g] = argmax_last(self.model.target.head(h).float(), use_kernel=self.use_kernel)
+            self.tokens[:, g] = choose(g, self.model.target.head(h).float())
         return self.tokens
+
+    def _greedy(self, state: RoundState) -> torch.Tensor:
+        return self._draft(state, lambda g, logits: argmax_last(logits, use_kernel=self.use_kernel))
 
     def _observe(self, lengths: torch.Tensor) -> torch.Tensor:
         """The accepted drafts into the ring (positions L + 1 .. L + accepted, fed the verification's hidden states

@@ -287,7 +287,7 @@ class RingDrafter(nn.Module):
         held = state.positions
         ring_ok = (held >= 0) & (held <= anchor[:, None]) & (held > anchor[:, None] - W)
         slots_ok = torch.arange(1, self.config.block + 1, device=held.device)[None].expand(held.shape[0], -1) <= g
-        mask = torch.cat([ring_ok, slots_ok[:, : self.config.block]], dim=1)[:, None]  # [B, 1, C + G]
+        mask = torch.cat([ring_ok, slots_ok], dim=1)[:, None]  # [B, 1, C + G]
         for layer, ring_k, ring_v, sk_all, sv_all in zip(self.layers, state.keys, state.values, state.slot_keys,
                                                          state.slot_values, strict=True):
             q, k, v = self._qkv(layer, s, positions)

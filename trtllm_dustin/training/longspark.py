@@ -26,7 +26,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.models.longspark import LongSpark, LongSparkConfig, window_rows
-from trtllm_dustin.training.windows import anchor_positions, train_on_windows, write_trained
+from trtllm_dustin.training.windows import anchor_positions, check_window_config, train_on_windows, write_trained
 
 __all__ = ["LongSparkTrainConfig", "anchor_logits", "anchor_positions", "anchor_summaries", "step_loss",
            "target_features", "train_longspark"]
@@ -61,18 +61,9 @@ class LongSparkTrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
-        for name in ("seq_len", "batch_size", "anchor_stride", "steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.warmup >= self.steps:
-            raise ConfigError(f"warmup={self.warmup} must be below steps={self.steps}")
-        if not 1 <= self.anchor_from <= self.seq_len - self.block:
-            raise ConfigError(f"anchor_from={self.anchor_from} must be in [1, seq_len - block = "
-                              f"{self.seq_len - self.block}]")
+        check_window_config(self)
         if not 0 < self.position_decay <= 1:
             raise ConfigError(f"position_decay={self.position_decay} must be in (0, 1]")
-        if self.seq_len < self.block + 2:
-            raise ConfigError(f"seq_len={self.seq_len} must exceed the block ({self.block}) + 1")
 
     def drafter(self, target_fingerprint: str) -> LongSparkConfig:
         return LongSparkConfig(self.target_layers, self.window, self.summary, self.block, self.lora_rank,

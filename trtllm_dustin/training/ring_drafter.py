@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig
+from trtllm_dustin.training.distill import kd_loss
 from trtllm_dustin.training.longspark import target_features
-from trtllm_dustin.training.windows import train_on_windows, write_trained
+from trtllm_dustin.training.windows import check_window_config, train_on_windows, write_trained
 
-__all__ = ["RingTrainConfig", "ring_loss", "train_ring_drafter"]
+__all__ = ["RingTrainConfig", "ring_loss", "slot_logits", "train_ring_drafter"]
 
 SCHEMA_VERSION = 1
 
@@ -55,46 +55,43 @@ class RingTrainConfig:
     def __post_init__(self) -> None:
         for name in ("read_layers", "own_layers"):
             object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
-        for name in ("causal_stride", "seq_len", "batch_size", "anchor_stride", "steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.warmup >= self.steps:
-            raise ConfigError(f"warmup={self.warmup} must be below steps={self.steps}")
-        if self.seq_len < self.block + 2:
-            raise ConfigError(f"seq_len={self.seq_len} must exceed the block ({self.block}) + 1")
-        if not 1 <= self.anchor_from <= self.seq_len - self.block:
-            raise ConfigError(f"anchor_from={self.anchor_from} must be in [1, seq_len - block = "
-                              f"{self.seq_len - self.block}]")
+        if self.causal_stride < 1:
+            raise ConfigError(f"causal_stride={self.causal_stride} must be >= 1")
+        check_window_config(self)
         self.drafter("")  # the drafter's own checks
 
     def drafter(self, target_fingerprint: str) -> RingDrafterConfig:
         return RingDrafterConfig(self.read_layers, self.own_layers, self.window, self.block, target_fingerprint)
 
 
-def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    t, s = F.log_softmax(teacher.float(), -1), F.log_softmax(student.float(), -1)
-    return (t.exp() * (t - s)).sum(-1)
+def slot_logits(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+                feats: dict | None = None, correction: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every anchor's slots as proposals -> (logits [B * A, G, V] fp32, the teacher's there, the ring pass's outputs
+    [B, T, H]). feats: the target_features of these windows at the read layers, if already computed; correction:
+    previous tokens [B * A, G] (the true ones) -> a term added to the slots' logits (a dev variant's; None: none)."""
+    read, G = model.config.read_layers, model.config.block
+    feats = feats if feats is not None else target_features(target, tokens, read)
+    x, slots = model.forward_train(tokens, torch.stack([feats["hidden"][layer] for layer in read], dim=2), anchors)
+    slot_pos = anchors[:, None] + torch.arange(G, device=tokens.device)
+    with torch.no_grad():
+        teacher = target.head(feats["final"][:, slot_pos]).reshape(-1, G, target.config.vocab_size)
+    logits = target.head(slots).float()
+    if correction is not None:
+        logits = logits + correction(tokens[:, slot_pos].reshape(-1, G))
+    return logits, teacher, x
 
 
 def ring_loss(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
               causal_stride: int, correction: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One batch's loss: the mean KL of every anchor's slots plus the mean KL of the ring pass at every
-    causal_stride-th position. correction: previous tokens [N, G] -> a term added to the slots' logits (a dev
-    variant's; None: none)."""
-    read = model.config.read_layers
-    feats = target_features(target, tokens, read)
-    hidden = torch.stack([feats["hidden"][layer] for layer in read], dim=2)
-    x, slots = model.forward_train(tokens, hidden, anchors)
-    G = model.config.block
-    slot_pos = anchors[:, None] + torch.arange(G, device=tokens.device)
+    causal_stride-th position (correction: as slot_logits')."""
+    feats = target_features(target, tokens, model.config.read_layers)
+    logits, teacher, x = slot_logits(model, target, tokens, anchors, feats, correction)
     causal = torch.arange(0, tokens.shape[1] - 1, causal_stride, device=tokens.device)
     with torch.no_grad():
-        teacher = target.head(feats["final"][:, slot_pos]).reshape(-1, G, target.config.vocab_size)
         teacher_causal = target.head(feats["final"][:, causal])
-    logits = target.head(slots).float()
-    if correction is not None:
-        logits = logits + correction(tokens[:, slot_pos].reshape(-1, G))
-    return _kl(teacher, logits).mean() + _kl(teacher_causal, target.head(x[:, causal])).mean()
+    return kd_loss(logits, teacher, 1.0) + kd_loss(target.head(x[:, causal]), teacher_causal, 1.0)
 
 
 def train_ring_drafter(tokens_file: str | Path, out_dir: str | Path, cfg: RingTrainConfig,

@@ -24,7 +24,20 @@ from trtllm_dustin.models import load_model
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.training.distill import _lr  # warm-up + cosine over steps or the time budget
 
-__all__ = ["anchor_positions", "train_on_windows", "write_trained"]
+__all__ = ["anchor_positions", "check_window_config", "train_on_windows", "write_trained"]
+
+
+def check_window_config(cfg) -> None:
+    """The checks every window-training config needs (the fields train_on_windows reads), each naming its fix."""
+    for name in ("seq_len", "batch_size", "anchor_stride", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.warmup >= cfg.steps:
+        raise ConfigError(f"warmup={cfg.warmup} must be below steps={cfg.steps}")
+    if not 1 <= cfg.anchor_from <= cfg.seq_len - cfg.block:
+        raise ConfigError(f"anchor_from={cfg.anchor_from} must be in [1, seq_len - block = {cfg.seq_len - cfg.block}]")
+    if cfg.seq_len < cfg.block + 2:
+        raise ConfigError(f"seq_len={cfg.seq_len} must exceed the block ({cfg.block}) + 1")
 
 
 def anchor_positions(cfg, offset: int) -> torch.Tensor:
