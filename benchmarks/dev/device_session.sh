@@ -32,8 +32,10 @@
 #                 join + install; train-ring-drafter on the original windows, TOTAL seconds in all, at most STOP in
 #                 this call (rerun the same command in the next call: it resumes); then a short GPU check of the ring
 #                 method in rounds (eval_tau, 1 window, untrained or not) and, once TOTAL is reached, the tau of the
-#                 AR draft, the packaged LongSpark drafter and the ring drafter (Γ 3 and 7, T 0 and 1, 4K and 8K,
-#                 $DOCS windows per family, default 16) -> $OUT/ring.tgz (the record, the loss curve, the logs, tau).
+#                 AR draft, the packaged LongSpark drafter and the ring drafter (T 0 and 1, 4K and 8K, $DOCS windows
+#                 per family, default 16; one eval_tau per METHOD:GAMMAS of $TAU_RUNS side by side, default
+#                 "ring:7,3 classic:3 longspark:7") -> $OUT/ring.tgz (the record, the loss curve, the logs, tau) and
+#                 the trained weights in parts, $OUT/ring_weights.N (cat them; ring.tgz holds their sha256).
 #                 A CPU check: RING_FLAGS="--seq-len 256 --batch-size 1 --device cpu" RING_CONTEXTS=512 DOCS=1
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4) -> $OUT/cost_ring.json, .png
@@ -138,11 +140,22 @@ ring)
     --contexts "${contexts[0]}" --docs 1 --new-tokens 16 --gammas 7 --out "$L/ring_out/check.json" \
     > "$L/ring_out/check.log" 2>&1 || echo "the ring method's check in rounds: exit $? (ring_out/check.log)"
   if python3 -c "import json, sys; sys.exit(json.load(open('$L/ring/training_record.json'))['seconds'] < $total - 1)"; then
-    timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
-      --methods classic longspark ring --ring "$L/ring/checkpoint" --contexts "${contexts[@]}" --gammas 3 7 \
-      --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/tau_ring.json" > "$L/ring_out/tau.log" 2>&1 \
-      || echo "tau: exit $? (rows saved so far are kept)"
-    tail -n 12 "$L/ring_out/tau.log"
+    # the trained weights come back in parts of <= 15 MiB (the return limit is 16 MiB a file); join with cat
+    cp "$L"/ring/checkpoint/*.json "$L/ring_out/" 2>/dev/null || true
+    sha256sum "$L/ring/checkpoint/model.safetensors" > "$L/ring_out/model.safetensors.sha256"
+    split -b 15M -d -a 1 "$L/ring/checkpoint/model.safetensors" "$OUT/ring_weights."
+    # tau in rounds, one eval_tau per METHOD:GAMMAS side by side (the 135M pair leaves the GPU mostly idle)
+    read -r -a tau_runs <<< "${TAU_RUNS:-ring:7,3 classic:3 longspark:7}"
+    pids=()
+    for spec in "${tau_runs[@]}"; do
+      method=${spec%%:*}; IFS=, read -r -a gammas <<< "${spec#*:}"
+      timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
+        --methods "$method" --ring "$L/ring/checkpoint" --contexts "${contexts[@]}" --gammas "${gammas[@]}" \
+        --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/tau_$method.json" > "$L/ring_out/tau_$method.log" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || echo "a tau run: exit $? (rows saved so far are kept)"; done
+    tail -n 14 "$L"/ring_out/tau_*.log
   fi
   ;;
 ring-cost)
