@@ -33,9 +33,11 @@
 #                 this call (rerun the same command in the next call: it resumes); then a short GPU check of the ring
 #                 method in rounds (eval_tau, 1 window, untrained or not) and, once TOTAL is reached, the tau of the
 #                 AR draft, the packaged LongSpark drafter and the ring drafter (T 0 and 1, 4K and 8K, $DOCS windows
-#                 per family, default 16; one eval_tau per METHOD:GAMMAS of $TAU_RUNS side by side, default
-#                 "ring:7,3 classic:3 longspark:7") -> $OUT/ring.tgz (the record, the loss curve, the logs, tau) and
-#                 the trained weights in parts, $OUT/ring_weights.N (cat them; ring.tgz holds their sha256).
+#                 per family, default 16), one eval_tau per METHOD:GAMMAS, side by side: $TAU_EARLY (default
+#                 "classic:3 longspark:7") beside the training of the first call, $TAU_RUNS (default "ring:7 ring:3")
+#                 once it is trained; a run already complete is not repeated -> $OUT/ring.tgz (the record, the loss
+#                 curve, the logs, tau) and the trained weights in parts, $OUT/ring_weights.N (cat them; ring.tgz
+#                 holds their sha256).
 #                 A CPU check: RING_FLAGS="--seq-len 256 --batch-size 1 --device cpu" RING_CONTEXTS=512 DOCS=1
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4) -> $OUT/cost_ring.json, .png
@@ -133,6 +135,19 @@ ring)
   trap 'cp "$L"/ring/training_record.json "$L"/ring/loss_curve.png "$L/ring_out/" 2>/dev/null; tar czf "$OUT/ring.tgz" -C "$L/ring_out" .' EXIT
   read -r -a train_flags <<< "${RING_FLAGS:-}"  # more train-ring-drafter flags (a CPU check: small sizes)
   read -r -a contexts <<< "${RING_CONTEXTS:-4096 8192}"
+  pids=()
+  tau() {  # METHOD:GAMMAS... -> one eval_tau each, in the background ($L/ring_out/tau_METHOD_gGAMMAS.json; kept)
+    for spec in "$@"; do
+      method=${spec%%:*}; IFS=, read -r -a gammas <<< "${spec#*:}"; name=tau_${method}_g${spec#*:}
+      [ -f "$L/ring_out/$name.json" ] && grep -q '"complete": true' "$L/ring_out/$name.json" && continue
+      timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
+        --methods "$method" --ring "$L/ring/checkpoint" --contexts "${contexts[@]}" --gammas "${gammas[@]}" \
+        --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/$name.json" > "$L/ring_out/$name.log" 2>&1 &
+      pids+=($!)
+    done
+  }
+  read -r -a tau_early <<< "${TAU_EARLY-classic:3 longspark:7}"
+  tau "${tau_early[@]}"  # the baselines need no ring drafter: beside the training (the 135M pair leaves room)
   python3 -m trtllm_dustin.cli train-ring-drafter --tokens "$S/tokens.npy" --out "$L/ring" --max-seconds "$total" \
     --stop-after "$stop" "${train_flags[@]}" > "$L/ring_out/train.log" 2>&1 || echo "train: exit $?"
   tail -c 400 "$L/ring_out/train.log"
@@ -144,19 +159,11 @@ ring)
     cp "$L"/ring/checkpoint/*.json "$L/ring_out/" 2>/dev/null || true
     sha256sum "$L/ring/checkpoint/model.safetensors" > "$L/ring_out/model.safetensors.sha256"
     split -b 15M -d -a 1 "$L/ring/checkpoint/model.safetensors" "$OUT/ring_weights."
-    # tau in rounds, one eval_tau per METHOD:GAMMAS side by side (the 135M pair leaves the GPU mostly idle)
-    read -r -a tau_runs <<< "${TAU_RUNS:-ring:7,3 classic:3 longspark:7}"
-    pids=()
-    for spec in "${tau_runs[@]}"; do
-      method=${spec%%:*}; IFS=, read -r -a gammas <<< "${spec#*:}"
-      timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" \
-        --methods "$method" --ring "$L/ring/checkpoint" --contexts "${contexts[@]}" --gammas "${gammas[@]}" \
-        --temperatures 0 1 --docs "${DOCS:-16}" --out "$L/ring_out/tau_$method.json" > "$L/ring_out/tau_$method.log" 2>&1 &
-      pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid" || echo "a tau run: exit $? (rows saved so far are kept)"; done
-    tail -n 14 "$L"/ring_out/tau_*.log
+    read -r -a tau_late <<< "${TAU_RUNS:-ring:7 ring:3}"
+    tau "${tau_late[@]}"
   fi
+  for pid in "${pids[@]}"; do wait "$pid" || echo "a tau run: exit $? (rows saved so far are kept)"; done
+  tail -n 14 "$L"/ring_out/tau_*.log 2>/dev/null || true
   ;;
 ring-cost)
   GIT_SHA=$(cat "$S/git_sha" 2>/dev/null || git rev-parse --short HEAD); export GIT_SHA

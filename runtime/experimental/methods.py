@@ -1,8 +1,8 @@
 """The evaluation-only methods, registered into runtime/methods.py's METHODS (not offered) when this module is
 imported. Each was measured against the offered ones (docs/results.md) and not kept: the oracle ceilings and three
 changes to Dustin-H measured against them at equal k (issue 24), Dustin-H with an input-aware m, two in-pass
-variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter with full verification (issue 38:
-not yet measured in rounds)."""
+variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter with full verification or in-pass
+selection (issue 38)."""
 
 from __future__ import annotations
 
@@ -83,5 +83,8 @@ EXPERIMENTAL_METHODS: dict[str, Method] = {
     "ring": Method(ring_drafter, _full, "the ring drafter (own layers over a ring of recent positions, slots one "
                    "after another; --ring DIR), full verification (evaluation only: issue 38)", needs_draft=False,
                    needs_ring=True, offered=False),
+    "dustin-ip-ring": Method(ring_drafter, in_pass_selector(), "the ring drafter, in-pass selection (the "
+                             "verification queries pick the set; evaluation only: issue 38)", needs_draft=False,
+                             needs_ring=True, needs_dustin=True, sparse=True, offered=False),
 }
 register_methods(EXPERIMENTAL_METHODS)
