@@ -8,7 +8,8 @@
 # background job in a device command, use `wait` or its pid: `pgrep -f NAME` also matches the command's own shell.
 #
 #   pack          (here) .carry/s1 = {w.0, tokens.npy}; .carry/s2 = {w.1, test prompts, quality tasks, gguf wheel,
-#                 packaged LongSpark weights, git sha}; .carry/s3 = {packaged draft weights}; configs in .carry/c
+#                 packaged LongSpark weights, git sha}; .carry/s3 = {packaged draft weights}; .carry/s4 = {packaged
+#                 ring drafter weights}; configs in .carry/c
 #   stash DIR     copy a carried folder's files into ~/stash
 #   work [C...]   join + install; LongSpark: regen, then variants A (regenerated data, anchors in the part the target
 #                 wrote, early slots weighted) and B (original data, early slots weighted) side by side; beside them
@@ -51,6 +52,7 @@ restore() {  # the commit sent and the packaged weights (left out of the device'
   GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
   mkdir -p trtllm_dustin/weights "$L"
   cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
+  if [ -d "$S/smollm2_ring" ]; then cp -r "$S/smollm2_ring" trtllm_dustin/weights/; fi
 }
 
 variant_a() {  # A's data and flags: the regenerated windows with anchors in their written part, else the originals
@@ -69,7 +71,8 @@ pack)
   cp .carry/quality_tasks.json.gz .whl/gguf-0.19.0-py3-none-any.whl .carry/git_sha .carry/s2/
   cp -r trtllm_dustin/weights/smollm2_longspark .carry/s2/
   cp -r trtllm_dustin/weights/smollm2_draft .carry/s3/
-  du -sh .carry/s1 .carry/s2 .carry/s3 .carry/c
+  mkdir -p .carry/s4 && cp -r trtllm_dustin/weights/smollm2_ring .carry/s4/
+  du -sh .carry/s1 .carry/s2 .carry/s3 .carry/s4 .carry/c
   ;;
 stash)
   mkdir -p "$S"

@@ -34,10 +34,17 @@ from trtllm_dustin.models.decoder import RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.validation import load_versioned, versioned_json
 
-__all__ = ["RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState", "load_ring_drafter",
-           "random_ring_drafter"]
+__all__ = ["DEFAULT_RING", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
+           "default_ring_path", "load_ring_drafter", "random_ring_drafter"]
 
 RING_SCHEMA_VERSION = 1
+_PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
+DEFAULT_RING = "smollm2-ring"  # the packaged ring drafter, trained for the default model
+
+
+def default_ring_path() -> Path:
+    return _PACKAGED
+
 _RETRAIN = "train one for it with `trtllm-dustin train-ring-drafter`"
 
 
@@ -304,20 +311,31 @@ class RingDrafter(nn.Module):
         save_drafter(self, directory, self.config.to_json(), record)
 
 
-def load_ring_drafter(directory: str | Path, target: Transformer) -> RingDrafter:
-    """The ring drafter `RingDrafter.save` wrote to `directory`, for `target` (its config checked against the target
-    before any weight is read), in the target's dtype and on its device."""
+def load_ring_drafter(spec: str | Path | None, target: Transformer) -> RingDrafter:
+    """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one), for
+    `target` (its config checked against the target before any weight is read), in the target's dtype and on its
+    device."""
     from safetensors.torch import load_file
 
-    directory = Path(directory)
+    directory = _PACKAGED if spec in (None, DEFAULT_RING) else Path(spec)
     path = directory / "config.json"
     if not path.is_file():
+        if directory == _PACKAGED:
+            raise ConfigError(f"the packaged ring drafter is missing ({directory}); reinstall the package")
         raise ConfigError(f"{directory}: no ring drafter there (config.json missing); write one with `trtllm-dustin "
                           "train-ring-drafter`")
     config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
     config.check_target(target.config)
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{weights} is missing; the ring drafter's checkpoint is incomplete")
     model = RingDrafter(config, target)
-    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    state = load_file(str(weights))
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ConfigError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, unexpected "
+                          f"{sorted(unexpected)[:3]})")
+    model.load_state_dict(state)
     return model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
 
 
