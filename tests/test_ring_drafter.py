@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.kernels import needs_kernel
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import load_model
@@ -272,3 +273,46 @@ def test_a_loaded_drafter_serves_in_the_targets_dtype(tmp_path) -> None:
                         gamma=3).generate([[9, 8, 7], list(range(5, 30))],
                                           GenerationConfig(max_new_tokens=6, eos_token_ids=(), prefill_chunk=8))
     assert all(len(t) == 6 and all(0 <= x < 257 for x in t) for t in out.tokens)
+
+
+@needs_kernel
+def test_the_fused_kernels_serve_as_the_module_code_does(monkeypatch) -> None:
+    """With the target's KernelConfig on the fused path (as on a GPU in bf16), the serving passes (fill, ingest, the
+    slot steps) run the fused RMSNorm and the skinny GEMM path and give the module code's outputs (float32)."""
+    from trtllm_dustin.models import ring_drafter
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+
+    target = load_model("preset:tiny-llama", dtype=torch.float32, seed=7).model.eval()
+    target.setup_rope()
+    torch.manual_seed(0)
+    model = RingDrafter(RingDrafterConfig(READ, OWN, W, G), target).eval()
+    with torch.no_grad():
+        model.fuse.weight.normal_(std=0.05)
+        model.own.weight.normal_(std=0.05)
+    tokens = torch.randint(2, 250, (2, 12), generator=torch.Generator().manual_seed(4))
+    hidden = _hidden(target, tokens)
+    calls = []
+    fused_norm = ring_drafter.add_rms_norm
+    monkeypatch.setattr(ring_drafter, "add_rms_norm", lambda *a, **k: calls.append(1) or fused_norm(*a, **k))
+
+    def serve(kernels: KernelConfig) -> list[torch.Tensor]:
+        target.kernels = kernels
+        state = model.new_state(2)
+        pos = torch.arange(8)[None].expand(2, -1).clone()
+        with torch.no_grad():
+            outs = [model.fill(state, tokens[:, :8], hidden[:, :8], pos, torch.ones(2, 8, dtype=torch.bool))]
+            pos = torch.arange(8, 8 + G)[None].expand(2, -1).clone()
+            outs.append(model.ingest(state, tokens[:, 8:12], hidden[:, 7:11], pos, torch.ones(2, G, dtype=torch.bool)))
+            previous = outs[-1][:, -1]
+            for g in range(1, G):
+                previous = model.step(state, g, tokens[:, g], previous, torch.full((2,), 11))
+                outs.append(previous)
+        return outs
+
+    module = serve(KernelConfig(fused_elementwise=False))
+    assert not calls
+    fused = serve(KernelConfig(fused_elementwise=True))
+    assert len(calls) == 2 * len(OWN) * (2 + G - 1)  # two norms per own layer in each of the passes
+    for a, b in zip(fused, module, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    target.kernels = KernelConfig()

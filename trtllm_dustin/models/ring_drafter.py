@@ -32,6 +32,8 @@ from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
+from trtllm_dustin.plugins.fused_ops import add_rms_norm
+from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
@@ -122,10 +124,21 @@ class RingDrafter(nn.Module):
         parts = [norm(hidden[..., j, :].to(self.dtype)) for j, norm in enumerate(self.read_norms)]
         return self.fuse(torch.cat(parts, dim=-1))
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether a pass over x takes the target's fused decode kernels (its KernelConfig decides, as for its own
+        layers; never under autograd: training runs the module code)."""
+        return not torch.is_grad_enabled() and self.target._fused_for(x)
+
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
         att = layer.attention
         Hq, Hkv, D = att.num_heads, att.num_kv_heads, att.head_dim
-        q, k, v = att.wqkv(layer.attention_norm(x)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        if self._fused(x):  # one fused RMSNorm and the skinny-M GEMM
+            kernels, norm = self.target.kernels, layer.attention_norm
+            qkv = skinny_linear(add_rms_norm(x, None, norm.weight, norm.eps, pdl=kernels.pdl)[0], att.wqkv.weight,
+                                att.wqkv.bias, kernels=kernels)
+        else:
+            qkv = att.wqkv(layer.attention_norm(x))
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         cos, sin = self.target.rope_cos[positions], self.target.rope_sin[positions]
         shape = x.shape[:-1]
         return (apply_rope(q.view(*shape, Hq, D), cos, sin), apply_rope(k.view(*shape, Hkv, D), cos, sin),
@@ -140,8 +153,14 @@ class RingDrafter(nn.Module):
                                              attn_mask=mask[:, None])
         return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
-    @staticmethod
-    def _finish(layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):  # the target's fused path: skinny-M GEMMs, the residual add folded into the norm
+            kernels, norm, target = self.target.kernels, layer.ffn_norm, self.target
+            if target.linear_workspace is None or target.linear_workspace.counters.device != x.device:
+                target.linear_workspace = SplitKWorkspace.for_outputs(target.config.hidden_size, x.device)
+            normed, x = add_rms_norm(x, skinny_linear(attn, layer.attention.wo.weight, None, kernels=kernels),
+                                     norm.weight, norm.eps, pdl=kernels.pdl)
+            return x + layer.feed_forward.forward_fused(normed, target.linear_workspace, kernels)
         x = x + layer.attention.wo(attn)
         return x + layer.feed_forward(layer.ffn_norm(x))
 
