@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_e2e import PAIRS, longspark_layers, start_at
+from bench_e2e import PAIRS, SWITCHES, longspark_layers, start_at
 from common import RESULTS, environment, save_json
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the ring method)
@@ -71,6 +71,8 @@ def main() -> None:
                         "probe's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
+    for flag, (_, about) in SWITCHES.items():  # A/B switches of the kernel paths, as bench_e2e.py's
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
     args = parser.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
     device = torch.device(args.device)
@@ -89,7 +91,8 @@ def main() -> None:
     dcache = KVCache.allocate(draft.config, args.batch, S, dtype, device)
     for t in (tcache.k, tcache.v, dcache.k, dcache.v):
         t.normal_()
-    kernels = KernelConfig()
+    kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
+                              for flag, (field, _) in SWITCHES.items()})
     backend = attention_backend(device, kernels)
     sampling = SlotSampling.batch(SamplingParams(), args.batch, device)
     rows = []
@@ -142,7 +145,8 @@ def main() -> None:
                     "ring": {"read_layers": list(ring.config.read_layers), "own_layers": list(ring.config.own_layers),
                              "window": ring.config.window, "block": ring.config.block,
                              "weights": "random (real shapes)"} if ring is not None else None,
-                    "wall_s": time.perf_counter() - t0, "summary": summary, "rows": rows})
+                    "kernels": kernels.to_json(), "wall_s": time.perf_counter() - t0, "summary": summary,
+                    "rows": rows})
     plot(rows, out.with_suffix(".png"))
 
 

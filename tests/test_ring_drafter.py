@@ -316,3 +316,21 @@ def test_the_fused_kernels_serve_as_the_module_code_does(monkeypatch) -> None:
     for a, b in zip(fused, module, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     target.kernels = KernelConfig()
+
+
+def test_a_prompt_far_shorter_than_the_rings_pass_is_served() -> None:
+    """The admission pass spans fill_span positions back from the prompt's end; those before position 0 are read by
+    none, and their rotary rows must not be looked up either (the rotary table is only max_positions long)."""
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+
+    target = load_model("preset:tiny-llama", dtype=torch.float64, seed=7, max_positions=80).model.eval()
+    target.setup_rope()
+    model = _drafter(target, window=150)
+    assert model.fill_span > target.rope_cos.shape[0]
+    prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)]]
+    config = GenerationConfig(max_new_tokens=6, eos_token_ids=(), prefill_chunk=8)
+    ring = _ring_decoder(target, model, 2, 64, gamma=3).generate(prompts, config)
+    vanilla = build_runtime("vanilla", target, batch_slots=2, max_seq_len=64, dtype=torch.float64, device="cpu",
+                            backend="reference").generate(prompts, config)
+    assert ring.tokens == vanilla.tokens

@@ -41,7 +41,8 @@
 #                 holds their sha256).
 #                 A CPU check: RING_FLAGS="--seq-len 256 --batch-size 1 --device cpu" RING_CONTEXTS=512 DOCS=1
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
-#                 shapes, random weights; $BATCH, default 4) -> $OUT/cost_ring.json, .png
+#                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
+#                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -173,6 +174,10 @@ ring-cost)
   python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
   python3 benchmarks/bench_longspark_cost.py --methods longspark ring --gamma 7 --batch "${BATCH:-4}" \
     --contexts 8192,32768,65536,131072 --out "$OUT/cost_ring.json"
+  # the ring drafter on the module code (cuBLAS, unfused elementwise) for the A/B: its first cost run (H100,
+  # b7cc716, benchmarks/results/longspark2/h100_run4/) predates its fused path
+  python3 benchmarks/bench_longspark_cost.py --methods ring --gamma 7 --batch "${BATCH:-4}" --fused-elementwise off \
+    --contexts 8192,131072 --out "$OUT/cost_ring_module.json"
   ;;
 tau)
   shift

@@ -268,8 +268,9 @@ class RingDrafter(nn.Module):
         rows = last % C
         state.positions.fill_(-1)
         state.positions[batch, rows] = torch.where(valid[:, -W:], last, -1)
+        rotary = positions.clamp(min=0)  # a position below 0 is read by none: any rotary row serves it
         for layer, ring_k, ring_v in zip(self.layers, state.keys, state.values, strict=True):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, rotary)
             ring_k[batch, rows] = k[:, -W:].to(ring_k.dtype)
             ring_v[batch, rows] = v[:, -W:].to(ring_v.dtype)
             x = self._finish(layer, x, self._band(q, k, v, valid))
