@@ -62,18 +62,16 @@ def save_prompts(path: Path, tokenizer) -> None:
     from trtllm_dustin.data import as_encoder, final_report_documents
 
     encode = as_encoder(tokenizer)
+    families = {family: [(d.doc_id, encode(d.text)[:KEEP_TOKENS]) for d in final_report_documents(sources)]
+                for family, sources in FAMILIES.items()}
+    families.update(unseen_documents(encode))
     arrays, ids = {}, {}
-    for family, sources in FAMILIES.items():
-        docs = [(d.doc_id, encode(d.text)[:KEEP_TOKENS]) for d in final_report_documents(sources)]
-        for i, (doc_id, tokens) in enumerate(docs):
-            arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
-            ids[f"{family}/{i}"] = doc_id
-    for family, docs in unseen_documents(encode).items():
+    for family, docs in families.items():
         for i, (doc_id, tokens) in enumerate(docs):
             arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
             ids[f"{family}/{i}"] = doc_id
     np.savez_compressed(path, **arrays, _doc_ids=np.asarray([f"{k}\t{v}" for k, v in ids.items()]))
-    print(f"wrote {path}: {len(arrays)} test-split documents (first {KEEP_TOKENS} tokens each)")
+    print(f"wrote {path}: {len(arrays)} documents of {', '.join(families)} (first {KEEP_TOKENS} tokens each)")
 
 
 def load_documents(path: Path | None, tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:

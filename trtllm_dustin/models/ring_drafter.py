@@ -37,16 +37,11 @@ from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
-           "default_ring_path", "load_ring_drafter", "random_ring_drafter"]
+           "load_ring_drafter", "random_ring_drafter"]
 
 RING_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
 DEFAULT_RING = "smollm2-ring"  # the packaged ring drafter, trained for the default model
-
-
-def default_ring_path() -> Path:
-    return _PACKAGED
-
 _RETRAIN = "train one for it with `trtllm-dustin train-ring-drafter`"
 
 
