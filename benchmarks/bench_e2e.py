@@ -380,7 +380,7 @@ def main() -> None:
                         "stage, which also drafts (the others split the rest evenly); default: an even split")
     parser.add_argument("--pp-timeout", type=float, default=600.0, help="--pp: longest wait for a peer, in seconds")
     for flag, (_, about) in SWITCHES.items():
-        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
     args = parser.parse_args()
     # The kernel paths of this run, one frozen config given to every decoder (and recorded with the results).
     args.kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
     for flag, (_, about) in SWITCHES.items():  # A/B switches of the kernel paths, as bench_e2e.py's
-        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=about)
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
     args = parser.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
     device = torch.device(args.device)
