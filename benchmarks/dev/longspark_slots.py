@@ -82,11 +82,12 @@ def main() -> None:
         rows["longspark without the Markov correction"] = slot_stats(teacher, base)
         rows["the Markov correction alone"] = slot_stats(teacher, markov)
         positions = anchors[:, None] + torch.arange(G)  # slot g predicts L + 1 + g: the AR draft's logits at L + g
-        ar = draft.full_vocab(draft.forward_train(tokens).float())[:, positions].reshape(-1, G, teacher.shape[-1])
+        # the full vocabulary only at the scored positions (over a whole window it held GBs)
+        ar = draft.full_vocab(draft.forward_train(tokens)[:, positions].float()).reshape(-1, G, teacher.shape[-1])
         rows["AR draft (sees every true token)"] = {"top1": slot_stats(teacher, ar)["top1"]}
         for w in args.ar_windows:  # tokens [L - w, L + G): the draft's logits at L + g predict L + 1 + g
             seqs = torch.stack([tokens[b, L - w: L + G] for b in range(len(args.docs)) for L in anchors.tolist()])
-            cut = torch.cat([draft.full_vocab(draft.forward_train(seqs[i: i + 64]).float())[:, w: w + G]
+            cut = torch.cat([draft.full_vocab(draft.forward_train(seqs[i: i + 64])[:, w: w + G].float())
                              for i in range(0, len(seqs), 64)])
             rows[f"AR draft, only the last {w} tokens before L"] = {"top1": slot_stats(teacher, cut)["top1"]}
 
