@@ -72,6 +72,27 @@ SWITCHES = {
     "round-kernels": ("round_kernels", "greedy argmax and the round commit as Triton kernels "
                       "(plugins/argmax.py, commit.py) instead of torch ops"),
 }
+
+
+def add_kernel_switches(parser: argparse.ArgumentParser) -> None:
+    """--FLAG off|on for each switch of SWITCHES (the benches' A/B runs); kernel_config(args) reads them back."""
+    for flag, (_, about) in SWITCHES.items():
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
+
+
+def kernel_config(args: argparse.Namespace) -> KernelConfig:
+    """The run's kernel paths from add_kernel_switches' flags: one frozen config for every decoder."""
+    return KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
+                           for flag, (field, _) in SWITCHES.items()})
+
+
+def bench_ring_drafter(target, reads, own_layers: int):
+    """The benches' random ring drafter at the real shapes: `own_layers` of the target's shape spread over its
+    depth, reading the layers `reads`, a ring of 256 rows, a block of 7."""
+    return random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers, own_layers),
+                                                         256, 7), seed=3)
+
+
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
 DEFAULT_METHODS = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-h-sparse-draft", "dustin-ip",
                    "dustin-ip-sparse-draft", "classic" + FP8_DRAFT, "dustin-h" + FP8_DRAFT, "dustin-ip" + FP8_DRAFT,
@@ -219,8 +240,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
         spark = random_longspark(target, seed=2, target_layers=layers)
     if any(METHODS[split_method(m)[0]].needs_ring for m in args.methods):
-        ring = random_ring_drafter(target, RingDrafterConfig(layers, spread_layers(target.config.num_layers,
-                                                                                   args.ring_layers), 256, 7), seed=3)
+        ring = bench_ring_drafter(target, layers, args.ring_layers)
     runs = [(method, budget) for method in args.methods
             for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
     for method, budget in runs:
@@ -379,12 +399,9 @@ def main() -> None:
     parser.add_argument("--first-stage-layers", type=int, default=None, help="--pp: target layers of the first "
                         "stage, which also drafts (the others split the rest evenly); default: an even split")
     parser.add_argument("--pp-timeout", type=float, default=600.0, help="--pp: longest wait for a peer, in seconds")
-    for flag, (_, about) in SWITCHES.items():
-        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
+    add_kernel_switches(parser)
     args = parser.parse_args()
-    # The kernel paths of this run, one frozen config given to every decoder (and recorded with the results).
-    args.kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
-                                   for flag, (field, _) in SWITCHES.items()})
+    args.kernels = kernel_config(args)  # recorded with the results
     args.methods = args.methods.split(",")
     try:
         args.budgets = [int(k) for k in args.budget.split(",")] if args.budget else [PAIRS[args.pair].dustin.budget]

@@ -24,15 +24,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_e2e import PAIRS, SWITCHES, longspark_layers, start_at
+from bench_e2e import PAIRS, add_kernel_switches, bench_ring_drafter, kernel_config, longspark_layers, start_at
 from common import RESULTS, environment, save_json
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the ring method)
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
-from trtllm_dustin.models.longspark import random_longspark, spread_layers
-from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
-from trtllm_dustin.plugins.kernel_config import KernelConfig
+from trtllm_dustin.models.longspark import random_longspark
 from trtllm_dustin.runtime.build import attention_backend, build_runtime
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Observation
@@ -71,8 +69,7 @@ def main() -> None:
                         "probe's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
-    for flag, (_, about) in SWITCHES.items():  # A/B switches of the kernel paths, as bench_e2e.py's
-        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
+    add_kernel_switches(parser)  # the kernel paths' A/B switches, as bench_e2e.py's
     args = parser.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
     device = torch.device(args.device)
@@ -84,15 +81,12 @@ def main() -> None:
     draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=S + 16, seed=1).model
     reads = longspark_layers(target.config.num_layers, pair.dustin.target_layers[0].layer)
     spark = random_longspark(target, seed=2, target_layers=reads)
-    ring = random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers,
-                                                                                args.ring_layers), 256, 7), seed=3) \
-        if "ring" in args.methods else None
+    ring = bench_ring_drafter(target, reads, args.ring_layers) if "ring" in args.methods else None
     tcache = KVCache.allocate(target.config, args.batch, S, dtype, device)
     dcache = KVCache.allocate(draft.config, args.batch, S, dtype, device)
     for t in (tcache.k, tcache.v, dcache.k, dcache.v):
         t.normal_()
-    kernels = KernelConfig(**{field: getattr(args, flag.replace("-", "_")) == "on"
-                              for flag, (field, _) in SWITCHES.items()})
+    kernels = kernel_config(args)
     backend = attention_backend(device, kernels)
     sampling = SlotSampling.batch(SamplingParams(), args.batch, device)
     rows = []

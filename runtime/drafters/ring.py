@@ -52,6 +52,7 @@ class RingDrafting:
         device, dtype = target.embed.weight.device, target.embed.weight.dtype
         self.vocab_size = target.config.vocab_size
         self.ring: RingState = model.new_state(slots, dtype)
+        target.split_k_workspace(device)  # the fused path's partials, allocated here rather than in a round
         reads, H = len(self.target_hidden_layers), target.config.hidden_size
         self.boundary = torch.zeros(slots, reads, H, dtype=dtype, device=device)  # the target's at L - 1
         self.tokens = torch.zeros(slots, gamma, dtype=torch.long, device=device)

@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         h, delta = self.run_layers(self.embed(tokens), cache, meta, backend, capture=capture)
         return self.head(h, logit_index, delta)
 
-    def _fused_for(self, h: torch.Tensor) -> bool:
+    def fused_for(self, h: torch.Tensor) -> bool:
         """Whether run_layers takes the fused elementwise kernels for hidden states like h (kernels' switch)."""
         fused = self.kernels.fused_elementwise
         # H200: 1.36x per round; float64 models (tests) keep the module code, which the kernels do not cover
@@ -206,7 +206,7 @@ class Transformer(nn.Module):
         positions = meta.cache_seqlens.long()[:, None] + torch.arange(T, device=h.device)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         layers = range(len(self.layers)) if layers is None else layers
-        if self._fused_for(h) if fused is None else fused:
+        if self.fused_for(h) if fused is None else fused:
             return self._run_layers_fused(h, layers, cos, sin, positions, cache, meta, backend, capture)
         for i in layers:
             block = self.layers[i]
@@ -215,19 +215,24 @@ class Transformer(nn.Module):
             _keep_hidden(capture, i, h)
         return h, None
 
+    def split_k_workspace(self, device: torch.device) -> SplitKWorkspace:
+        """The fused path's split-K partials on `device`, allocated on first use (before a decode loop: drafters that
+        run these layers' kernels ask for it at set-up) and kept."""
+        if self.linear_workspace is None or self.linear_workspace.counters.device != device:
+            self.linear_workspace = SplitKWorkspace.for_outputs(self.config.hidden_size, device)
+        return self.linear_workspace
+
     def _run_layers_fused(self, h, layers, cos, sin, positions, cache, meta, backend, capture
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """`run_layers` with each residual add folded into the next RMSNorm (kernels.fused_elementwise)."""
-        delta, kernels = None, self.kernels
-        if self.linear_workspace is None or self.linear_workspace.counters.device != h.device:
-            self.linear_workspace = SplitKWorkspace.for_outputs(self.config.hidden_size, h.device)
+        delta, kernels, workspace = None, self.kernels, self.split_k_workspace(h.device)
         norm = partial(add_rms_norm, pdl=kernels.pdl)
         for i in layers:
             block = self.layers[i]
             x, h = norm(h, delta, block.attention_norm.weight, block.attention_norm.eps)  # (normed, sum)
             delta = block.attention.forward_fused(x, cos, sin, positions, i, cache, meta, backend, capture, kernels)
             x, h = norm(h, delta, block.ffn_norm.weight, block.ffn_norm.eps)
-            delta = block.feed_forward.forward_fused(x, self.linear_workspace, kernels)
+            delta = block.feed_forward.forward_fused(x, workspace, kernels)
             if capture is not None and i in capture.hidden:  # the block's output is h + delta (added by the next norm)
                 _keep_hidden(capture, i, h + delta)
         return h, delta

@@ -33,7 +33,7 @@ from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.plugins.fused_ops import add_rms_norm
-from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
+from trtllm_dustin.plugins.skinny_linear import skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
@@ -122,7 +122,7 @@ class RingDrafter(nn.Module):
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether a pass over x takes the target's fused decode kernels (its KernelConfig decides, as for its own
         layers; never under autograd: training runs the module code)."""
-        return not torch.is_grad_enabled() and self.target._fused_for(x)
+        return not torch.is_grad_enabled() and self.target.fused_for(x)
 
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
         att = layer.attention
@@ -150,12 +150,10 @@ class RingDrafter(nn.Module):
 
     def _finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         if self._fused(x):  # the target's fused path: skinny-M GEMMs, the residual add folded into the norm
-            kernels, norm, target = self.target.kernels, layer.ffn_norm, self.target
-            if target.linear_workspace is None or target.linear_workspace.counters.device != x.device:
-                target.linear_workspace = SplitKWorkspace.for_outputs(target.config.hidden_size, x.device)
+            kernels, norm = self.target.kernels, layer.ffn_norm
             normed, x = add_rms_norm(x, skinny_linear(attn, layer.attention.wo.weight, None, kernels=kernels),
                                      norm.weight, norm.eps, pdl=kernels.pdl)
-            return x + layer.feed_forward.forward_fused(normed, target.linear_workspace, kernels)
+            return x + layer.feed_forward.forward_fused(normed, self.target.split_k_workspace(x.device), kernels)
         x = x + layer.attention.wo(attn)
         return x + layer.feed_forward(layer.ffn_norm(x))
 
