@@ -49,6 +49,7 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark, spread_layers
+from trtllm_dustin.models.presets import get_preset
 from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
@@ -86,11 +87,13 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
                            for flag, (field, _) in SWITCHES.items()})
 
 
-def bench_ring_drafter(target, reads, own_layers: int):
+def bench_ring_drafter(target, reads, own_layers: int, head_ids: int = 0):
     """The benches' random ring drafter at the real shapes: `own_layers` of the target's shape spread over its
-    depth, reading the layers `reads`, a ring of 256 rows, a block of 7."""
-    return random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers, own_layers),
-                                                         256, 7), seed=3)
+    depth, reading the layers `reads`, a ring of 256 rows, a block of 7; with a subset head of `head_ids` ids (the
+    first ones: which ids does not change the cost), or the whole vocabulary (0)."""
+    model = random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers, own_layers),
+                                                          256, 7), seed=3)
+    return model.use_head(torch.arange(head_ids) if head_ids else None)
 
 
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
@@ -240,7 +243,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
         spark = random_longspark(target, seed=2, target_layers=layers)
     if any(METHODS[split_method(m)[0]].needs_ring for m in args.methods):
-        ring = bench_ring_drafter(target, layers, args.ring_layers)
+        ring = bench_ring_drafter(target, layers, args.ring_layers, args.ring_head_ids)
     runs = [(method, budget) for method in args.methods
             for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
     for method, budget in runs:
@@ -384,6 +387,8 @@ def main() -> None:
                         "the stated tau is drawn over Γ + 1 outcomes. LongSpark proposes at most its block (7)")
     parser.add_argument("--ring-layers", type=int, default=4, help="the ring drafter's own layers, of the target's "
                         "shape (the ring method; default: 4, the probe's)")
+    parser.add_argument("--ring-head-ids", type=int, default=0, help="the ring drafter proposes from a subset head "
+                        "of this many vocabulary ids (0: the whole vocabulary; default: 0)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
@@ -432,6 +437,10 @@ def main() -> None:
                          f"most Γ + 1 = {gamma + 1} tokens")
     if args.pp < 1:
         raise SystemExit(f"--pp {args.pp} must be >= 1 (1: one process)")
+    vocab = get_preset(PAIRS[args.pair].target.removeprefix("preset:")).vocab_size
+    if not 0 <= args.ring_head_ids < vocab:
+        raise SystemExit(f"--ring-head-ids {args.ring_head_ids}: give 0 (the whole vocabulary) or fewer ids than "
+                         f"the target's {vocab}")
     if args.pp > 1 and args.gamma is not None:
         raise SystemExit("--gamma: the pipeline mode runs the pair's Γ; leave --gamma out with --pp")
     if args.pp > 1:  # every refusal before a rank starts
@@ -439,8 +448,6 @@ def main() -> None:
 
         pipeline_e2e.check_args(args, PAIRS)
         target = PAIRS[args.pair].target.removeprefix("preset:")
-        from trtllm_dustin.models.presets import get_preset
-
         args.longspark_layers = longspark_layers(get_preset(target).num_layers,
                                                  PAIRS[args.pair].dustin.target_layers[0].layer)
         pipeline_e2e.launch(args, PAIRS)
@@ -466,7 +473,7 @@ def main() -> None:
     where = "h200" if device.type == "cuda" else "cpu"
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
-                    "gamma": pair.gamma,
+                    "gamma": pair.gamma, "ring_layers": args.ring_layers, "ring_head_ids": args.ring_head_ids,
                     **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
                     "kernels": json.loads(args.kernels.to_json()), "pdl_supported": pdl_supported(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "

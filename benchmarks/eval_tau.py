@@ -142,6 +142,9 @@ def main() -> None:
                         help="LongSpark drafter of the longspark methods (default: the packaged one)")
     parser.add_argument("--ring", default=None, help="ring drafter of the ring methods: a directory from "
                         "`trtllm-dustin train-ring-drafter` (its checkpoint/; default: the packaged one)")
+    parser.add_argument("--ring-head", choices=("subset", "full"), default="subset",
+                        help="the ring drafter proposes from its subset head, where its directory has one "
+                        "(head_ids.safetensors), or from the whole vocabulary (default: subset)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--gammas", type=int, nargs="+", default=[3])
     unseen = "; ".join(f"{family} ({what})" for family, what in UNSEEN.items())
@@ -190,7 +193,8 @@ def main() -> None:
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \
         if any(m.needs_draft for m in needs) or args.ppl else None
     longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
-    ring = load_ring_drafter(args.ring, target.model) if any(m.needs_ring for m in needs) else None
+    ring = load_ring_drafter(args.ring, target.model, subset_head=args.ring_head == "subset") \
+        if any(m.needs_ring for m in needs) else None
     backend = attention_backend(device)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     if dustin is None and any(METHODS[m].needs_dustin for m in args.methods) and args.target is None \
@@ -208,6 +212,7 @@ def main() -> None:
     def payload(complete: bool) -> dict:
         return {**environment(), "target": target.source, "draft": args.draft,
                 "longspark": args.longspark or "packaged", "ring": args.ring or "packaged",
+                "ring_head_ids": None if ring is None or ring.head_ids is None else len(ring.head_ids),
                 "new_tokens": args.new_tokens,
                 "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                 "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,

@@ -266,8 +266,13 @@ def test_a_loaded_drafter_serves_in_the_targets_dtype(tmp_path) -> None:
         model.fuse.weight.normal_(std=0.05)
     model.save(tmp_path / "ring")
     bf16 = load_model("preset:tiny-llama", dtype=torch.bfloat16, seed=7).model
+    assert load_ring_drafter(tmp_path / "ring", bf16).head_ids is None  # saved without a subset head
+    model.use_head(torch.arange(0, 257, 2))
+    model.save(tmp_path / "ring")
     ring = load_ring_drafter(tmp_path / "ring", bf16)
     assert ring.dtype == torch.bfloat16 and ring.target is bf16
+    assert torch.equal(ring.head_ids, torch.arange(0, 257, 2)) and ring._head_rows.dtype == torch.bfloat16
+    assert load_ring_drafter(tmp_path / "ring", bf16, subset_head=False).head_ids is None
     torch.testing.assert_close(ring.fuse.weight.float(), model.fuse.weight.to(torch.bfloat16).float())
     out = build_runtime("ring", bf16, ring=ring, batch_slots=2, max_seq_len=64, dtype=torch.bfloat16, device="cpu",
                         gamma=3).generate([[9, 8, 7], list(range(5, 30))],
@@ -334,3 +339,61 @@ def test_a_prompt_far_shorter_than_the_rings_pass_is_served() -> None:
     vanilla = build_runtime("vanilla", target, batch_slots=2, max_seq_len=64, dtype=torch.float64, device="cpu",
                             backend="reference").generate(prompts, config)
     assert ring.tokens == vanilla.tokens
+
+
+def test_a_subset_head_proposes_only_its_ids_and_decoding_stays_exact(target) -> None:
+    """With a subset head the logits at its ids are the whole head's and -inf elsewhere; every proposal (greedy, and
+    drawn at T = 1 from a distribution with no mass outside the ids) lies in the subset, and greedy rounds still
+    commit exactly the target's own tokens."""
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+    from trtllm_dustin.runtime.sampling import SamplingParams
+
+    ids = torch.arange(1, 257, 3)
+    model = _drafter(target).use_head(ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(1))])
+    assert torch.equal(model.head_ids, ids)  # kept sorted
+    h = torch.randn(3, target.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    whole, subset = target.head(h).float(), model.logits(h)
+    torch.testing.assert_close(subset[:, ids], whole[:, ids])
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(subset[:, outside]).all()
+
+    prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)], [3 + (i * 5) % 200 for i in range(11)]]
+    for sampling in (SamplingParams(), SamplingParams(1.0, 1.0, seed=3)):
+        decoder = _ring_decoder(target, model, 3, 64, gamma=3)
+        proposals, probs, propose = [], [], decoder.drafter.propose
+
+        def spy(*args, propose=propose, proposals=proposals, probs=probs, **kwargs):
+            proposal = propose(*args, **kwargs)
+            proposals.append(proposal.tokens.clone())
+            if proposal.probs is not None:
+                probs.append(proposal.probs[..., outside].sum().item())
+            return proposal
+
+        decoder.drafter.propose = spy
+        out = decoder.generate(prompts, GenerationConfig(max_new_tokens=10, eos_token_ids=(), prefill_chunk=4,
+                                                         sampling=sampling))
+        drafted = torch.cat([p.flatten() for p in proposals])
+        assert proposals and torch.isin(drafted, ids).all()
+        if sampling.temperature == 0:
+            vanilla = build_runtime("vanilla", target, batch_slots=3, max_seq_len=64, dtype=torch.float64,
+                                    device="cpu", backend="reference").generate(
+                prompts, GenerationConfig(max_new_tokens=10, eos_token_ids=(), prefill_chunk=4))
+            assert out.tokens == vanilla.tokens
+        else:
+            assert probs and max(probs) == 0.0
+            assert all(len(t) == 10 for t in out.tokens)
+    model.use_head(None)
+    torch.testing.assert_close(model.logits(h), whole)
+
+
+def test_bad_subset_heads_are_refused(target) -> None:
+    model = _drafter(target)
+    V = target.config.vocab_size
+    for ids, match in ((torch.tensor([], dtype=torch.long), "between 1 and"), (torch.arange(V), "between 1 and"),
+                       (torch.tensor([3, V]), r"must lie in \[0, 257\)"), (torch.tensor([-1, 4]), "must lie in"),
+                       (torch.tensor([5, 9, 5]), "must be distinct")):
+        with pytest.raises(ConfigError, match=match):
+            model.use_head(ids)
+    assert model.head_ids is None

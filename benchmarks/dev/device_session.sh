@@ -43,6 +43,11 @@
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
 #                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
+#   tau-ring NAME=FLAGS...
+#                 tau of the packaged drafters, one eval_tau per name side by side (FLAGS: its --methods, --gammas and
+#                 any other options, say "ring7=--methods ring --gammas 7"), T 0 and 1 at 4K and 8K, $DOCS windows per
+#                 family (default 24: 55 / 49 test windows) of $FAMILIES (default: the test split and the unseen
+#                 fortunes; the carried prompts file must hold them) -> $OUT/tau_NAME.json, .log
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -64,7 +69,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -179,6 +184,22 @@ ring-cost)
   python3 benchmarks/bench_longspark_cost.py --methods ring --gamma 7 --batch "${BATCH:-4}" --fused-elementwise off \
     --contexts 8192,131072 --out "$OUT/cost_ring_module.json"
   ;;
+tau-ring)
+  shift
+  restore
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  read -r -a families <<< "${FAMILIES:-books essays code fortunes}"
+  for spec in "$@"; do
+    name=${spec%%=*}
+    read -r -a flags <<< "${spec#*=}"
+    timeout "${TAU_SECONDS:-540}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --contexts 4096 8192 \
+      --temperatures 0 1 --docs "${DOCS:-24}" --families "${families[@]}" "${flags[@]}" --out "$OUT/tau_$name.json" \
+      > "$OUT/tau_$name.log" 2>&1 &
+  done
+  wait
+  tail -n 3 "$OUT"/tau_*.log
+  ;;
 tau)
   shift
   names=()
@@ -208,7 +229,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S" >&2
   exit 2
   ;;
 esac

@@ -164,7 +164,7 @@ class RingDrafting:
         for g in range(self.gamma):
             if g:
                 h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
-            self.tokens[:, g] = choose(g, self.model.target.head(h).float())
+            self.tokens[:, g] = choose(g, self.model.logits(h))
         return self.tokens
 
     def _greedy(self, state: RoundState) -> torch.Tensor:

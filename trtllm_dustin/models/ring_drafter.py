@@ -36,13 +36,14 @@ from trtllm_dustin.plugins.fused_ops import add_rms_norm
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
-__all__ = ["DEFAULT_RING", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
-           "load_ring_drafter", "random_ring_drafter"]
+__all__ = ["DEFAULT_RING", "HEAD_IDS_FILE", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
+           "load_ring_drafter", "random_ring_drafter", "save_head_ids"]
 
 RING_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
 DEFAULT_RING = "smollm2-ring"  # the packaged ring drafter, trained for the default model
 _RETRAIN = "train one for it with `trtllm-dustin train-ring-drafter`"
+HEAD_IDS_FILE = "head_ids.safetensors"  # beside the weights, optional: the vocabulary ids of a subset head
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,46 @@ class RingDrafter(nn.Module):
         self.own = nn.Linear(H, H, bias=False)  # P
         nn.init.zeros_(self.fuse.weight)
         nn.init.zeros_(self.own.weight)
+        # a subset head (use_head): the vocabulary ids proposals come from and the target's output rows at them;
+        # plain attributes, so not saved with the weights (HEAD_IDS_FILE holds the ids) and not trained
+        self.head_ids: torch.Tensor | None = None
+        self._head_rows: torch.Tensor | None = None
+
+    def use_head(self, ids: torch.Tensor | None) -> RingDrafter:
+        """Propose only tokens of the vocabulary ids `ids` (a subset head: the target's output rows at them, copied
+        once; every other id gets logit -inf), or from the whole vocabulary (None). Call it once the target is on
+        its device and in its dtype: the rows are taken from it as they are. Proposals from a subset are verified
+        as any others, so decoding stays exact; what changes is how many bytes each slot's head reads."""
+        if ids is None:
+            self.head_ids = self._head_rows = None
+            return self
+        V = self.target.config.vocab_size
+        if self.target.head_ids is not None:
+            raise ConfigError("the target has a subset head itself; a ring drafter's subset head takes rows of a "
+                              "whole-vocabulary output matrix")
+        ids = torch.as_tensor(ids).long().flatten()
+        if not 0 < ids.numel() < V:
+            raise ConfigError(f"a subset head of {ids.numel()} ids: give between 1 and {V - 1} vocabulary ids "
+                              "(or none, for the whole vocabulary)")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ConfigError(f"subset head ids must lie in [0, {V}) (the target's vocabulary); got "
+                              f"{int(ids.min())} .. {int(ids.max())}")
+        ids = ids.sort().values
+        if bool((ids[1:] == ids[:-1]).any()):
+            raise ConfigError("subset head ids must be distinct; an id given twice would get two logits")
+        weight = self.target.output_weight()
+        self.head_ids = ids.to(weight.device)
+        self._head_rows = weight.detach().index_select(0, self.head_ids).contiguous()
+        return self
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The drafter's outputs h [..., H] -> fp32 logits over the whole vocabulary [..., V], through the target's
+        final norm and output head, or its rows of a subset head (-inf at the other ids)."""
+        if self.head_ids is None:
+            return self.target.head(h).float()
+        rows = F.linear(self.target.norm(h), self._head_rows).float()
+        full = rows.new_full((*rows.shape[:-1], self.target.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_ids, rows)
 
     # ---- pieces both paths use ---------------------------------------------------------------------------
     @property
@@ -320,14 +361,26 @@ class RingDrafter(nn.Module):
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, directory: str | Path, record: dict | None = None) -> None:
-        """Write config.json and model.safetensors (the drafter's own weights only, bf16)."""
+        """Write config.json and model.safetensors (the drafter's own weights only, bf16), and HEAD_IDS_FILE when
+        it proposes from a subset head."""
         save_drafter(self, directory, self.config.to_json(), record)
+        if self.head_ids is not None:
+            save_head_ids(directory, self.head_ids)
 
 
-def load_ring_drafter(spec: str | Path | None, target: Transformer) -> RingDrafter:
+def save_head_ids(directory: str | Path, ids: torch.Tensor) -> None:
+    """Write a ring drafter's subset-head ids (HEAD_IDS_FILE) into its directory; `load_ring_drafter` applies them."""
+    from safetensors.torch import save_file
+
+    save_file({"head_ids": torch.as_tensor(ids).to("cpu", torch.int32).contiguous()},
+              str(Path(directory) / HEAD_IDS_FILE), metadata={"format": "pt"})
+
+
+def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head: bool = True) -> RingDrafter:
     """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one), for
     `target` (its config checked against the target before any weight is read), in the target's dtype and on its
-    device."""
+    device; proposing from the subset head of its HEAD_IDS_FILE where it has one and `subset_head` is on, else from
+    the whole vocabulary."""
     from safetensors.torch import load_file
 
     directory = _PACKAGED if spec in (None, DEFAULT_RING) else Path(spec)
@@ -349,7 +402,14 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer) -> RingDraft
         raise ConfigError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, unexpected "
                           f"{sorted(unexpected)[:3]})")
     model.load_state_dict(state)
-    return model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
+    model = model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
+    head = directory / HEAD_IDS_FILE
+    if subset_head and head.is_file():
+        ids = load_file(str(head)).get("head_ids")
+        if ids is None:
+            raise ConfigError(f"{head} holds no 'head_ids' tensor; delete it to propose from the whole vocabulary")
+        model.use_head(ids)
+    return model
 
 
 def random_ring_drafter(target: Transformer, config: RingDrafterConfig, seed: int = 0) -> RingDrafter:
