@@ -8,8 +8,10 @@ gives the throughput at any tau. This script takes the round times of an e2e run
     tau_measured(method) = stated tau of Classic SD (the paper's, 2.7 for Llama-3.1-8B, Table 10)
                            x tau_real(method at its budget) / tau_real(classic)
 
-pooled over the eval's windows (every family and context; the ratio per context is kept beside it). Classic SD
-itself stays at its stated tau, vanilla at 1. Methods the eval did not measure (at that budget) get no measured row.
+pooled over the eval's windows (every family and context of the test split, greedy; the ratio per context is kept
+beside it), the method at the e2e run's Γ over Classic SD at --classic-gamma. Classic SD itself stays at its stated
+tau, vanilla at 1. Methods the eval did not measure (at that budget and Γ) get no measured row. Several --tau files
+(of the same prompts file and --docs) are read as one; a corpus an eval marks unseen (`unseen_families`) is left out.
 
     python benchmarks/measured_tau.py --e2e benchmarks/results/fidelity/e2e_budget_llama-8b_h200.json \\
         --tau benchmarks/results/fidelity/tau_by_method_h200.json --out benchmarks/results/fidelity/headline.json
@@ -30,18 +32,20 @@ def pooled_tau(rows: list[dict]) -> float:
     return sum((n + 1) * c for n, c in enumerate(hist)) / max(sum(hist), 1)
 
 
-def measured_ratios(tau_rows: list[dict], temperature: float = 0.0) -> dict[tuple[str, int | None], dict]:
-    """(method, budget) -> {ratio, per_context, windows}: the method's pooled tau over Classic SD's on the same
-    windows (every family and context of the eval, at `temperature`)."""
+def measured_ratios(tau_rows: list[dict], temperature: float = 0.0, classic_gamma: int = 3
+                    ) -> dict[tuple[str, int | None, int], dict]:
+    """(method, budget, Γ) -> {ratio, per_context, windows}: the method's pooled tau over Classic SD's at
+    classic_gamma on the same windows (every family and context of the eval, at `temperature`)."""
     rows = [r for r in tau_rows if r.get("temperature", 0.0) == temperature]
     by_key = defaultdict(list)
     for r in rows:
-        by_key[(r["method"], r.get("budget"))].append(r)
-    classic = by_key.get(("classic", None))
+        by_key[(r["method"], r.get("budget"), r.get("gamma", 3))].append(r)
+    classic = by_key.get(("classic", None, classic_gamma))
     if not classic:
-        raise SystemExit("--tau: the eval has no classic rows (run eval_tau.py with --methods classic ...)")
+        raise SystemExit(f"--tau: the eval has no classic rows at Γ = {classic_gamma} (run eval_tau.py with "
+                         f"--methods classic --gammas {classic_gamma} ...)")
     out = {}
-    for (method, budget), mine in by_key.items():
+    for (method, budget, gamma), mine in by_key.items():
         contexts = sorted({r["context"] for r in mine})
         per_context = {}
         for c in contexts:
@@ -50,7 +54,7 @@ def measured_ratios(tau_rows: list[dict], temperature: float = 0.0) -> dict[tupl
             per_context[c] = {"tau": pooled_tau(own), "classic_tau": pooled_tau(base),
                               "ratio": pooled_tau(own) / pooled_tau(base), "windows": sum(r["windows"] for r in own)}
         base_all = [r for r in classic if r["context"] in contexts]
-        out[(method, budget)] = {"tau": pooled_tau(mine), "classic_tau": pooled_tau(base_all),
+        out[(method, budget, gamma)] = {"tau": pooled_tau(mine), "classic_tau": pooled_tau(base_all),
                                  "ratio": pooled_tau(mine) / pooled_tau(base_all), "per_context": per_context}
     return out
 
@@ -67,7 +71,7 @@ def headline_rows(e2e: dict, ratios: dict, classic_stated: float) -> list[dict]:
         if method == "vanilla":
             measured = {"tau": 1.0, "ratio": None}
         else:
-            found = ratios.get((method, budget))
+            found = ratios.get((method, budget, e2e.get("gamma", 3)))
             measured = {"tau": classic_stated * found["ratio"], "ratio": found["ratio"],
                         "per_context": found["per_context"]} if found else None
         if measured is not None:
@@ -99,7 +103,10 @@ def markdown(rows: list[dict], classic_stated: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--e2e", type=Path, required=True, help="a bench_e2e.py JSON")
-    parser.add_argument("--tau", type=Path, required=True, help="an eval_tau.py JSON with classic among its methods")
+    parser.add_argument("--tau", type=Path, nargs="+", required=True,
+                        help="eval_tau.py JSONs of the same windows, classic at --classic-gamma among their methods")
+    parser.add_argument("--classic-gamma", type=int, default=3, help="Classic SD's Γ that the ratios divide by "
+                        "(default: 3, the pair's)")
     parser.add_argument("--tau-fp8", type=Path, default=None,
                         help="an eval_tau.py --draft-kv-cache fp8 JSON on the same windows: its methods' rows give the "
                         "+fp8kv rows, each over the --tau file's (bf16) Classic SD")
@@ -108,23 +115,28 @@ def main() -> None:
                         "Llama-3.1-8B + 1B at batch 16, 32K)")
     parser.add_argument("--out", type=Path, required=True, help="JSON; a markdown table is written beside it")
     args = parser.parse_args()
-    for path in (args.e2e, args.tau):
+    for path in (args.e2e, *args.tau):
         if not path.is_file():
             raise SystemExit(f"{path} does not exist")
-    e2e, tau = json.loads(args.e2e.read_text()), json.loads(args.tau.read_text())
-    tau_rows = list(tau["rows"])
+    e2e, taus = json.loads(args.e2e.read_text()), [json.loads(path.read_text()) for path in args.tau]
+    unseen = {family for tau in taus for family in tau.get("unseen_families", [])}
+    tau_rows = [r for tau in taus for r in tau["rows"] if r.get("family") not in unseen]
     if args.tau_fp8 is not None:
         fp8 = json.loads(args.tau_fp8.read_text())
         if fp8.get("draft_kv_cache") != "fp8":
             raise SystemExit(f"--tau-fp8 {args.tau_fp8} was run with --draft-kv-cache {fp8.get('draft_kv_cache')}")
         tau_rows += [{**r, "method": r["method"] + "+fp8kv"} for r in fp8["rows"]]
-    ratios = measured_ratios(tau_rows)
+    ratios = measured_ratios(tau_rows, classic_gamma=args.classic_gamma)
     rows = headline_rows(e2e, ratios, args.classic_tau)
-    save_json(args.out, {**environment(), "e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "tau": str(args.tau),
-                         "tau_git_sha": tau.get("git_sha"), "tau_fp8": str(args.tau_fp8) if args.tau_fp8 else None,
-                         "classic_stated_tau": args.classic_tau,
-                         "ratios": [{"method": m, "budget": k, **v} for (m, k), v in sorted(
-                             ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))],
+    single = len(taus) == 1  # one file keeps the record's earlier form
+    save_json(args.out, {**environment(), "e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"),
+                         "tau": str(args.tau[0]) if single else [str(p) for p in args.tau],
+                         "tau_git_sha": taus[0].get("git_sha") if single else [t.get("git_sha") for t in taus],
+                         "unseen_families_left_out": sorted(unseen),
+                         "tau_fp8": str(args.tau_fp8) if args.tau_fp8 else None,
+                         "classic_stated_tau": args.classic_tau, "classic_gamma": args.classic_gamma,
+                         "ratios": [{"method": m, "budget": k, "gamma": g, **v} for (m, k, g), v in sorted(
+                             ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2]))],
                          "rows": rows})
     table = markdown(rows, args.classic_tau)
     args.out.with_suffix(".md").write_text(table)

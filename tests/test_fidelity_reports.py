@@ -15,8 +15,8 @@ import measured_tau  # noqa: E402
 import plot_frontier  # noqa: E402
 
 
-def tau_row(method, context, hist, budget=None, windows=16):
-    return {"family": "books", "context": context, "method": method, "budget": budget, "gamma": 3,
+def tau_row(method, context, hist, budget=None, windows=16, gamma=3, family="books"):
+    return {"family": family, "context": context, "method": method, "budget": budget, "gamma": gamma,
             "temperature": 0.0, "committed_hist": hist, "windows": windows}
 
 
@@ -24,11 +24,40 @@ def test_measured_ratio_pools_sequence_rounds_over_contexts() -> None:
     rows = [tau_row("classic", 4096, [0, 10, 0, 0]), tau_row("classic", 8192, [0, 0, 10, 0]),  # tau 2 and 3
             tau_row("dustin-h", 4096, [10, 0, 0, 0], 512), tau_row("dustin-h", 8192, [0, 0, 10, 0], 512)]  # 1, 3
     ratios = measured_tau.measured_ratios(rows)
-    found = ratios[("dustin-h", 512)]
+    found = ratios[("dustin-h", 512, 3)]
     assert found["ratio"] == pytest.approx((1 * 10 + 3 * 10) / 20 / ((2 * 10 + 3 * 10) / 20))  # 2.0 / 2.5
     assert found["per_context"][4096]["ratio"] == pytest.approx(0.5)
     assert found["per_context"][8192]["ratio"] == pytest.approx(1.0)
-    assert ratios[("classic", None)]["ratio"] == 1.0
+    assert ratios[("classic", None, 3)]["ratio"] == 1.0
+
+
+def test_a_method_at_gamma_7_is_rated_against_classic_at_gamma_3(tmp_path: Path) -> None:
+    """Rows at another Γ are their own key, over Classic SD at --classic-gamma; the e2e run's Γ picks the ratio; an
+    eval's unseen corpus is left out; several --tau files are read as one."""
+    classic = [tau_row("classic", 4096, [0, 10, 0, 0]), tau_row("classic", 4096, [10, 0, 0, 0], gamma=7)]
+    ring = [tau_row("ring", 4096, [0, 0, 0, 10, 0, 0, 0, 0], gamma=7),  # tau 4
+            tau_row("ring", 4096, [10, 0, 0, 0, 0, 0, 0, 0], gamma=7, family="fortunes"),  # tau 1: unseen
+            tau_row("ring", 4096, [0, 0, 10, 0], gamma=3)]  # tau 3
+    ratios = measured_tau.measured_ratios(classic + ring[::2])
+    assert ratios[("ring", None, 7)]["ratio"] == pytest.approx(4 / 2)
+    assert ratios[("ring", None, 3)]["ratio"] == pytest.approx(3 / 2)
+    with pytest.raises(SystemExit, match="no classic rows at Γ = 5"):
+        measured_tau.measured_ratios(classic + ring, classic_gamma=5)
+    (tmp_path / "c.json").write_text(json.dumps({"rows": classic}))
+    (tmp_path / "r.json").write_text(json.dumps({"rows": ring, "unseen_families": ["fortunes"]}))
+    (tmp_path / "e.json").write_text(json.dumps({"gamma": 7, "rows": [
+        {"batch": 16, "context": 32768, "method": "vanilla", "budget": None, "ms_per_round": 20.0,
+         "tokens_per_s": 800.0, "speedup_vs_vanilla": 1.0},
+        {"batch": 16, "context": 32768, "method": "ring", "budget": None, "ms_per_round": 10.0, "tau_stated": 3.0,
+         "tokens_per_s": 4800.0, "speedup_vs_vanilla": 6.0}]}))
+    subprocess.run([sys.executable, str(BENCHMARKS / "measured_tau.py"), "--e2e", str(tmp_path / "e.json"), "--tau",
+                    str(tmp_path / "c.json"), str(tmp_path / "r.json"), "--out", str(tmp_path / "h.json")],
+                   check=True, capture_output=True)
+    out = json.loads((tmp_path / "h.json").read_text())
+    ring_row = next(r for r in out["rows"] if r["method"] == "ring")
+    assert ring_row["tau_measured"] == pytest.approx(2.7 * 2)  # Γ = 7 over Γ = 3, fortunes left out
+    assert ring_row["speedup_measured_tau"] == pytest.approx(16 * 5.4 / 10.0 * 1e3 / 800.0)
+    assert out["unseen_families_left_out"] == ["fortunes"]
 
 
 def test_headline_rows_rescale_the_measured_round_time() -> None:
@@ -39,7 +68,7 @@ def test_headline_rows_rescale_the_measured_round_time() -> None:
          "tau_stated": 2.8, "tokens_per_s": 16 * 2.8 / 21e-3, "speedup_vs_vanilla": 2.67},
         {"batch": 16, "context": 32768, "method": "dustin-h", "budget": 1024, "ms_per_round": 21.5,
          "tau_stated": 2.8, "tokens_per_s": 2000.0, "speedup_vs_vanilla": 2.5}]}
-    ratios = {("dustin-h", 512): {"ratio": 0.9, "per_context": {}}}
+    ratios = {("dustin-h", 512, 3): {"ratio": 0.9, "per_context": {}}}
     rows = measured_tau.headline_rows(e2e, ratios, 2.7)
     dustin = rows[1]
     assert dustin["tau_measured"] == pytest.approx(2.43)
