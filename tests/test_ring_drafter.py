@@ -397,3 +397,21 @@ def test_bad_subset_heads_are_refused(target) -> None:
         with pytest.raises(ConfigError, match=match):
             model.use_head(ids)
     assert model.head_ids is None
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_grouped_query_attention_matches_attention_with_repeated_kv_heads(rows: int) -> None:
+    """_attend folds each KV head's query group into the query rows instead of repeating the keys and values per
+    query head: the outputs equal a float64 reference that repeats them, masked rows included."""
+    gen = torch.Generator().manual_seed(5)
+    N, K, Hq, Hkv, D = 3, 11, 6, 2, 8
+    q = torch.randn(N, rows, Hq, D, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(N, K, Hkv, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    mask = torch.rand(N, rows, K, generator=gen) < 0.6
+    mask[..., 0] = True  # every query reads at least one key
+    out = RingDrafter._attend(q, k, v, mask)
+    kr, vr = k.repeat_interleave(Hq // Hkv, dim=2), v.repeat_interleave(Hq // Hkv, dim=2)
+    scores = torch.einsum("nshd,nkhd->nhsk", q, kr) / D ** 0.5
+    weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    ref = torch.einsum("nhsk,nkhd->nshd", weights, vr).reshape(N, rows, Hq * D)
+    torch.testing.assert_close(out, ref)

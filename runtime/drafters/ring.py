@@ -68,8 +68,10 @@ class RingDrafting:
 
     def state_bytes(self) -> int:
         """Bytes of per-run drafter state: the ring and the boundary."""
-        ring = [*self.ring.keys, *self.ring.values, *self.ring.slot_keys, *self.ring.slot_values, self.ring.positions]
-        return sum(t.numel() * t.element_size() for t in (*ring, self.boundary))
+        r = self.ring  # its keys and values are views of the joined buffers where those are set
+        kv = [*r.joined_keys, *r.joined_values] if r.joined_keys is not None else [*r.keys, *r.values, *r.slot_keys,
+                                                                                     *r.slot_values]
+        return sum(t.numel() * t.element_size() for t in (*kv, r.positions, self.boundary))
 
     # ---- what the round calls ----------------------------------------------------------------------------
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0) -> None:
@@ -148,9 +150,7 @@ class RingDrafting:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _slot_ring(self, slots: slice) -> RingState:
-        r = self.ring
-        return RingState([k[slots] for k in r.keys], [v[slots] for v in r.values], r.positions[slots],
-                         [k[slots] for k in r.slot_keys], [v[slots] for v in r.slot_values])
+        return self.ring.rows(slots)
 
     def _enter_cur(self, state: RoundState) -> torch.Tensor:
         """`cur` into the ring at L (fed the boundary) -> its output [B, H]: the first proposal's."""

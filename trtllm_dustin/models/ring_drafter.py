@@ -84,12 +84,24 @@ class RingDrafterConfig:
 class RingState:
     """A batch's ring: per own layer keys and values [B, C, H_kv, D] (row p % C holds position p), the position each
     row holds [B, C] (-1: none), and per own layer the current round's slot keys and values [B, G, H_kv, D]. C = W +
-    block + 1, so that a round's newly committed rows (at most block + 1) never evict a row that one of them reads."""
+    block + 1, so that a round's newly committed rows (at most block + 1) never evict a row that one of them reads.
+    `joined_keys` / `joined_values`, where set, are per own layer the [B, C + G, H_kv, D] buffers whose first C rows
+    are `keys` and last G rows `slot_keys` (views of them), so a slot step reads the ring and the slots as one tensor
+    without concatenating them."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: torch.Tensor
     slot_keys: list[torch.Tensor]
     slot_values: list[torch.Tensor]
+    joined_keys: list[torch.Tensor] | None = None
+    joined_values: list[torch.Tensor] | None = None
+
+    def rows(self, slots: slice) -> RingState:
+        """The state of sequences `slots` (views: writes reach this state)."""
+        def cut(tensors):
+            return None if tensors is None else [t[slots] for t in tensors]
+        return RingState(cut(self.keys), cut(self.values), self.positions[slots], cut(self.slot_keys),
+                         cut(self.slot_values), cut(self.joined_keys), cut(self.joined_values))
 
 
 class RingDrafter(nn.Module):
@@ -182,12 +194,16 @@ class RingDrafter(nn.Module):
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [N, S, Hq, D], k / v [N, K, Hkv, D], mask [N or 1, S, K] (True: read) -> [N, S, Hq * D]."""
-        group = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask[:, None])
-        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
+        """q [N, S, Hq, D], k / v [N, K, Hkv, D], mask [N or 1, S, K] (True: read) -> [N, S, Hq * D]. Each KV head's
+        query group is folded into the query rows (row s * group + g), so the keys and values are read as they lie,
+        never copied once per query head."""
+        N, S, Hq, D = q.shape
+        Hkv = k.shape[2]
+        group = Hq // Hkv
+        q = q.reshape(N, S, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(N, Hkv, S * group, D)
+        mask = mask[:, None].repeat_interleave(group, dim=2) if group > 1 else mask[:, None]
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        return out.reshape(N, Hkv, S, group, D).permute(0, 2, 1, 3, 4).reshape(N, S, Hq * D)
 
     def _finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         if self._fused(x):  # the target's fused path: skinny-M GEMMs, the residual add folded into the norm
@@ -273,14 +289,13 @@ class RingDrafter(nn.Module):
         C, G = self.config.window + self.config.block + 1, self.config.block
         device = self.fuse.weight.device
         dtype = dtype or self.fuse.weight.dtype
-        shape = (batch, C, layer.num_kv_heads, layer.head_dim)
-        slot_shape = (batch, G, layer.num_kv_heads, layer.head_dim)
+        shape = (batch, C + G, layer.num_kv_heads, layer.head_dim)  # the ring's C rows, then the G slots'
         n = len(self.layers)
-        return RingState([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
-                         [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        return RingState([k[:, :C] for k in keys], [v[:, :C] for v in values],
                          torch.full((batch, C), -1, dtype=torch.long, device=device),
-                         [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)],
-                         [torch.zeros(slot_shape, dtype=dtype, device=device) for _ in range(n)])
+                         [k[:, C:] for k in keys], [v[:, C:] for v in values], keys, values)
 
     @property
     def fill_span(self) -> int:
@@ -349,14 +364,18 @@ class RingDrafter(nn.Module):
         ring_ok = (held >= 0) & (held <= anchor[:, None]) & (held > anchor[:, None] - W)
         slots_ok = torch.arange(1, self.config.block + 1, device=held.device)[None].expand(held.shape[0], -1) <= g
         mask = torch.cat([ring_ok, slots_ok], dim=1)[:, None]  # [B, 1, C + G]
-        for layer, ring_k, ring_v, sk_all, sv_all in zip(self.layers, state.keys, state.values, state.slot_keys,
-                                                         state.slot_values, strict=True):
+        joined = state.joined_keys is not None
+        for i, layer in enumerate(self.layers):
+            sk_all, sv_all = state.slot_keys[i], state.slot_values[i]
             q, k, v = self._qkv(layer, s, positions)
             sk_all[:, g - 1] = k[:, 0].to(sk_all.dtype)
             sv_all[:, g - 1] = v[:, 0].to(sv_all.dtype)
-            keys = torch.cat([ring_k, sk_all], dim=1).to(q.dtype)
-            values = torch.cat([ring_v, sv_all], dim=1).to(q.dtype)
-            s = self._finish(layer, s, self._attend(q, keys, values, mask))
+            if joined:  # the ring's rows and then the slots', in one buffer (the mask's order)
+                keys, values = state.joined_keys[i], state.joined_values[i]
+            else:
+                keys = torch.cat([state.keys[i], sk_all], dim=1)
+                values = torch.cat([state.values[i], sv_all], dim=1)
+            s = self._finish(layer, s, self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask))
         return s[:, 0]
 
     # ---- checkpoints -------------------------------------------------------------------------------------
