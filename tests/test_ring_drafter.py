@@ -415,3 +415,33 @@ def test_grouped_query_attention_matches_attention_with_repeated_kv_heads(rows: 
     weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     ref = torch.einsum("nhsk,nkhd->nshd", weights, vr).reshape(N, rows, Hq * D)
     torch.testing.assert_close(out, ref)
+
+
+def test_a_pass_that_only_writes_the_ring_leaves_the_same_ring_and_skips_the_last_layers_work(target) -> None:
+    """fill and ingest with outputs=False (the admission and the observe phase want only the ring) write the same
+    keys, values and positions as with outputs, and run one layer's attention output and MLP fewer."""
+    model = _drafter(target)
+    tokens = torch.randint(2, 250, (2, 14), generator=torch.Generator().manual_seed(6))
+    hidden = _hidden(target, tokens)
+    finished = []
+    finish = model._finish
+    model._finish = lambda *a: finished.append(1) or finish(*a)
+
+    def run(outputs: bool):
+        state = model.new_state(2)
+        ones = torch.ones(2, 10, dtype=torch.bool)
+        pos = torch.arange(10)[None].expand(2, -1).clone()
+        first = model.fill(state, tokens[:, :10], hidden[:, :10], pos, ones, outputs=outputs)
+        valid = torch.tensor([[True, True, False, False], [True, True, True, True]])
+        pos = torch.arange(10, 14)[None].expand(2, -1).clone()
+        second = model.ingest(state, tokens[:, 10:], hidden[:, 10:], pos, valid, outputs=outputs)
+        return state, first, second
+
+    full, a, b = run(True)
+    n_full, finished[:] = len(finished), []
+    ring, c, d = run(False)
+    assert a is not None and b is not None and c is None and d is None
+    assert len(finished) == n_full - 2  # one fewer layer in each of the two passes
+    assert torch.equal(full.positions, ring.positions)
+    for x, y in zip([*full.joined_keys, *full.joined_values], [*ring.joined_keys, *ring.joined_values], strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)

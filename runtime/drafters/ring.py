@@ -103,7 +103,7 @@ class RingDrafting:
         for i, prompt in enumerate(view.prompts):
             tail = prompt[max(0, len(prompt) - span):]
             tokens[i, span - len(tail):] = torch.as_tensor(tail, dtype=torch.long)
-        self.model.fill(self._slot_ring(slice(start, start + n)), tokens, hidden, positions, valid)
+        self.model.fill(self._slot_ring(slice(start, start + n)), tokens, hidden, positions, valid, outputs=False)
 
     def lookahead(self, layers: Sequence[int], confidence: bool = False) -> Lookahead:
         raise ConfigError("the ring drafter's queries live in its own layers' key spaces, not the target's: it has "
@@ -175,7 +175,7 @@ class RingDrafting:
         at L .. L + accepted - 1); the boundary moves to the hidden state at L + accepted."""
         valid = (self._offsets[None] < self._accepted[:, None]) & self._active[:, None]  # [B, Γ]
         positions = lengths.long()[:, None] + 1 + self._offsets
-        self.model.ingest(self.ring, self._drafts, self._hidden[:, : self.gamma], positions, valid)
+        self.model.ingest(self.ring, self._drafts, self._hidden[:, : self.gamma], positions, valid, outputs=False)
         new = self._hidden[self._rows, self._accepted]
         self.boundary.copy_(torch.where(self._active[:, None, None], new, self.boundary))
         return self.boundary

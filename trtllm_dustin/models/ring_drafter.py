@@ -304,12 +304,13 @@ class RingDrafter(nn.Module):
         return len(self.layers) * (self.config.window - 1) + 1
 
     def fill(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             valid: torch.Tensor) -> torch.Tensor:
+             valid: torch.Tensor, outputs: bool = True) -> torch.Tensor | None:
         """A fresh ring from each sequence's last committed positions (a prompt at admission): tokens / positions /
         valid [B, T] (positions ascending by one per row; invalid ones, below 0 or not computed, are read by none),
         hidden [B, T, len(read_layers), H] (the target's at each position - 1) -> outputs [B, T, H]. The band pass
         runs over them as training's does, and the last W positions' keys and values fill the ring, its other rows
-        emptied. With T >= fill_span (or positions from 0) the ring equals training's."""
+        emptied. With T >= fill_span (or positions from 0) the ring equals training's. outputs=False: only the ring
+        is wanted (None is returned), and the last layer's attention output and MLP are not run."""
         C, W = state.positions.shape[1], self.config.window
         batch = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         x = self.target.embed(tokens).to(self.dtype) + self.features(hidden)
@@ -318,21 +319,25 @@ class RingDrafter(nn.Module):
         state.positions.fill_(-1)
         state.positions[batch, rows] = torch.where(valid[:, -W:], last, -1)
         rotary = positions.clamp(min=0)  # a position below 0 is read by none: any rotary row serves it
-        for layer, ring_k, ring_v in zip(self.layers, state.keys, state.values, strict=True):
+        last = len(self.layers) - 1
+        for i, (layer, ring_k, ring_v) in enumerate(zip(self.layers, state.keys, state.values, strict=True)):
             q, k, v = self._qkv(layer, x, rotary)
             ring_k[batch, rows] = k[:, -W:].to(ring_k.dtype)
             ring_v[batch, rows] = v[:, -W:].to(ring_v.dtype)
+            if i == last and not outputs:
+                return None
             x = self._finish(layer, x, self._band(q, k, v, valid))
         return x
 
     def ingest(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor:
+               valid: torch.Tensor, outputs: bool = True) -> torch.Tensor | None:
         """Pass committed positions through the layers and write them into the ring: tokens / positions / valid
         [B, n] (distinct ascending positions per row, invalid ones included, each valid one following the ring's
         last; at most block + 2 of them, so that none evicts a row one of them reads, unless the ring holds nothing
         they read: a fresh sequence takes up to the ring's rows), hidden [B, n, len(read_layers), H]
         (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing (their outputs are
-        meaningless); a row whose entries are all invalid keeps its ring as it was."""
+        meaningless); a row whose entries are all invalid keeps its ring as it was. outputs=False: only the ring is
+        wanted (None is returned), and the last layer's attention output and MLP are not run."""
         C, W = state.positions.shape[1], self.config.window
         if tokens.shape[1] > C:
             raise ValueError(f"ingest takes at most {C} positions at a time (the ring's rows), got {tokens.shape[1]}")
@@ -344,11 +349,14 @@ class RingDrafter(nn.Module):
         # query at p reads the ring rows holding positions in (p - W, p]
         held = state.positions[:, None, :]  # [B, 1, C]
         mask = (held >= 0) & (held <= positions[:, :, None]) & (held > positions[:, :, None] - W)
-        for layer, ring_k, ring_v in zip(self.layers, state.keys, state.values, strict=True):
+        last = len(self.layers) - 1
+        for i, (layer, ring_k, ring_v) in enumerate(zip(self.layers, state.keys, state.values, strict=True)):
             q, k, v = self._qkv(layer, x, positions)
             keep = valid[:, :, None, None]
             ring_k[batch, rows] = torch.where(keep, k.to(ring_k.dtype), ring_k[batch, rows])
             ring_v[batch, rows] = torch.where(keep, v.to(ring_v.dtype), ring_v[batch, rows])
+            if i == last and not outputs:
+                return None
             x = self._finish(layer, x, self._attend(q, ring_k.to(q.dtype), ring_v.to(q.dtype), mask))
         return x
 
