@@ -47,7 +47,8 @@
 #                 tau of the packaged drafters, one eval_tau per name side by side (FLAGS: its --methods, --gammas and
 #                 any other options, say "ring7=--methods ring --gammas 7"), T 0 and 1 at 4K and 8K, $DOCS windows per
 #                 family (default 24: 55 / 49 test windows) of $FAMILIES (default: the test split and the unseen
-#                 fortunes; the carried prompts file must hold them) -> $OUT/tau_NAME.json, .log
+#                 fortunes; the carried prompts file must hold them) -> $OUT/tau_ring.tgz (tau_NAME.json, .md,
+#                 .log: one archive, as a call returns at most 8 files)
 #   ($A_EXTRA: more flags for A in work and finish. The first run gave A 32 anchors per window, an eighth of B's;
 #   the next should set A_EXTRA="--anchor-stride 2" so that both see 256.)
 set -euo pipefail
@@ -190,15 +191,17 @@ tau-ring)
   bash benchmarks/run_longspark2_h200.sh setup > /dev/null  # the target's wheel and its GGUF reader
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   read -r -a families <<< "${FAMILIES:-books essays code fortunes}"
+  mkdir -p "$L/tau_ring"
+  trap 'tar czf "$OUT/tau_ring.tgz" -C "$L/tau_ring" .' EXIT
   for spec in "$@"; do
     name=${spec%%=*}
     read -r -a flags <<< "${spec#*=}"
     timeout "${TAU_SECONDS:-540}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --contexts 4096 8192 \
-      --temperatures 0 1 --docs "${DOCS:-24}" --families "${families[@]}" "${flags[@]}" --out "$OUT/tau_$name.json" \
-      > "$OUT/tau_$name.log" 2>&1 &
+      --temperatures 0 1 --docs "${DOCS:-24}" --families "${families[@]}" "${flags[@]}" \
+      --out "$L/tau_ring/tau_$name.json" > "$L/tau_ring/tau_$name.log" 2>&1 &
   done
   wait
-  tail -n 3 "$OUT"/tau_*.log
+  tail -n 3 "$L"/tau_ring/tau_*.log
   ;;
 tau)
   shift
