@@ -40,6 +40,13 @@
 #                 curve, the logs, tau) and the trained weights in parts, $OUT/ring_weights.N (cat them; ring.tgz
 #                 holds their sha256).
 #                 A CPU check: RING_FLAGS="--seq-len 256 --batch-size 1 --device cpu" RING_CONTEXTS=512 DOCS=1
+#   rings TOTAL STOP NAME=FLAGS...
+#                 join + install; train ring drafter variants side by side (FLAGS: train-ring-drafter options, say
+#                 "one=--own-layers 29" "two=--own-layers 0,29"), TOTAL seconds each, at most STOP in this call (rerun
+#                 the same command: they resume); each one trained gets the AR draft's subset head and its tau at Γ = 7
+#                 (T 0 and 1, 4K and 8K, $DOCS windows per family, default 24, of $FAMILIES, default the test split
+#                 and fortunes) -> $OUT/rings.tgz (records, loss curves, logs, tau) and each trained drafter's
+#                 weights in parts, $OUT/NAME_weights.N (cat them; rings.tgz holds their sha256)
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
 #                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
@@ -70,7 +77,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -175,6 +182,39 @@ ring)
   for pid in "${pids[@]}"; do wait "$pid" || echo "a tau run: exit $? (rows saved so far are kept)"; done
   tail -n 14 "$L"/ring_out/tau_*.log 2>/dev/null || true
   ;;
+rings)
+  total=${2:?rings TOTAL_SECONDS STOP_SECONDS NAME=FLAGS...}; stop=${3:?rings TOTAL_SECONDS STOP_SECONDS NAME=FLAGS...}
+  shift 3
+  restore
+  bash benchmarks/run_longspark2_h200.sh setup > /dev/null
+  mkdir -p "$L/rings_out"
+  trap 'tar czf "$OUT/rings.tgz" -C "$L/rings_out" .' EXIT
+  read -r -a contexts <<< "${RING_CONTEXTS:-4096 8192}"
+  read -r -a families <<< "${FAMILIES:-books essays code fortunes}"
+  for spec in "$@"; do
+    name=${spec%%=*}
+    read -r -a flags <<< "${spec#*=}"
+    (
+      python3 -m trtllm_dustin.cli train-ring-drafter --tokens "$S/tokens.npy" --out "$L/$name" --max-seconds "$total" \
+        --stop-after "$stop" "${flags[@]}" > "$L/rings_out/train_$name.log" 2>&1 || echo "train $name: exit $?"
+      cp "$L/$name/training_record.json" "$L/rings_out/record_$name.json" 2>/dev/null
+      cp "$L/$name/loss_curve.png" "$L/rings_out/loss_$name.png" 2>/dev/null
+      if python3 -c "import json, sys; sys.exit(json.load(open('$L/$name/training_record.json'))['seconds'] < $total - 1)"
+      then
+        python3 benchmarks/dev/ring_head_ids.py --ring "$L/$name/checkpoint" --draft-dir trtllm_dustin/weights/smollm2_draft
+        cp "$L/$name/checkpoint/config.json" "$L/rings_out/config_$name.json"
+        (cd "$L/$name/checkpoint" && sha256sum model.safetensors head_ids.safetensors) > "$L/rings_out/sha256_$name"
+        split -b 15M -d -a 1 "$L/$name/checkpoint/model.safetensors" "$OUT/${name}_weights."
+        timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --methods ring \
+          --ring "$L/$name/checkpoint" --contexts "${contexts[@]}" --gammas 7 --temperatures 0 1 --docs "${DOCS:-24}" \
+          --families "${families[@]}" --out "$L/rings_out/tau_$name.json" > "$L/rings_out/tau_$name.log" 2>&1 \
+          || echo "tau $name: exit $? (rows saved so far are kept)"
+      fi
+    ) &
+  done
+  wait
+  tail -n 3 "$L"/rings_out/*.log
+  ;;
 ring-cost)
   GIT_SHA=$(cat "$S/git_sha" 2>/dev/null || git rev-parse --short HEAD); export GIT_SHA
   python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
@@ -232,7 +272,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|ring-cost|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|finish S" >&2
   exit 2
   ;;
 esac
