@@ -208,9 +208,10 @@ def main() -> None:
     documents = load_documents(args.prompts, target.tokenizer)
     rows = []
     out = Path(args.out) if args.out else RESULTS / "tau_smollm2.json"
+    started = environment()  # the command, commit and date the run started from, kept through every save
 
     def payload(complete: bool) -> dict:
-        return {**environment(), "target": target.source, "draft": args.draft,
+        return {**started, "target": target.source, "draft": args.draft,
                 "longspark": args.longspark or "packaged", "ring": args.ring or "packaged",
                 "ring_head_ids": None if ring is None or ring.head_ids is None else len(ring.head_ids),
                 "new_tokens": args.new_tokens,

@@ -74,3 +74,25 @@ def test_an_unseen_corpus_not_installed_stops_before_loading(monkeypatch) -> Non
     with pytest.raises(SystemExit) as stop:
         eval_tau.main()
     assert "fortunes archive is not in the corpus directory" in str(stop.value)
+
+
+def test_every_save_records_the_commit_and_date_the_run_started_from(monkeypatch, tmp_path) -> None:
+    """The JSON is rewritten after every row; each rewrite keeps the environment taken at the start (a commit made
+    while a long evaluation runs must not be named as the one it measured)."""
+    import json
+
+    calls = []
+
+    def environment():
+        calls.append(1)
+        return {"git_sha": f"sha{len(calls)}", "date": f"date{len(calls)}"}
+
+    out = tmp_path / "tau.json"
+    monkeypatch.setattr(eval_tau, "environment", environment)
+    monkeypatch.setattr(sys, "argv", ["eval_tau.py", "--methods", "classic", "--contexts", "512", "--docs", "1",
+                                      "--new-tokens", "4", "--families", "books", "--temperatures", "0", "1",
+                                      "--device", "cpu", "--out", str(out)])
+    eval_tau.main()
+    record = json.loads(out.read_text())
+    assert record["complete"] and len(record["rows"]) == 2  # saved after each of the two rows and at the end
+    assert calls == [1] and record["git_sha"] == "sha1" and record["date"] == "date1"
