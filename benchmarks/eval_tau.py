@@ -58,13 +58,17 @@ def unseen_documents(encode) -> dict[str, list[tuple[str, np.ndarray]]]:
     return {"fortunes": [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in docs]}
 
 
-def save_prompts(path: Path, tokenizer) -> None:
+def corpus_documents(tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """family -> [(doc_id, first KEEP_TOKENS tokens)]: the test split's families, and the unseen corpora installed."""
     from trtllm_dustin.data import as_encoder, final_report_documents
 
     encode = as_encoder(tokenizer)
-    families = {family: [(d.doc_id, encode(d.text)[:KEEP_TOKENS]) for d in final_report_documents(sources)]
-                for family, sources in FAMILIES.items()}
-    families.update(unseen_documents(encode))
+    return {**{family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in final_report_documents(src)]
+               for family, src in FAMILIES.items()}, **unseen_documents(encode)}
+
+
+def save_prompts(path: Path, tokenizer) -> None:
+    families = corpus_documents(tokenizer)
     arrays, ids = {}, {}
     for family, docs in families.items():
         for i, (doc_id, tokens) in enumerate(docs):
@@ -77,12 +81,7 @@ def save_prompts(path: Path, tokenizer) -> None:
 def load_documents(path: Path | None, tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:
     """family -> [(doc_id, tokens)] from a prompts file, or from the installed corpora."""
     if path is None:
-        from trtllm_dustin.data import as_encoder, final_report_documents
-
-        encode = as_encoder(tokenizer)
-        return {**{family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS]))
-                            for d in final_report_documents(src)] for family, src in FAMILIES.items()},
-                **unseen_documents(encode)}
+        return corpus_documents(tokenizer)
     data = np.load(path)
     names = dict(line.split("\t", 1) for line in data["_doc_ids"])
     out: dict[str, list[tuple[str, np.ndarray]]] = {family: [] for family in [*FAMILIES, *UNSEEN]}

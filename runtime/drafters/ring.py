@@ -68,10 +68,8 @@ class RingDrafting:
 
     def state_bytes(self) -> int:
         """Bytes of per-run drafter state: the ring and the boundary."""
-        r = self.ring  # its keys and values are views of the joined buffers where those are set
-        kv = [*r.joined_keys, *r.joined_values] if r.joined_keys is not None else [*r.keys, *r.values, *r.slot_keys,
-                                                                                     *r.slot_values]
-        return sum(t.numel() * t.element_size() for t in (*kv, r.positions, self.boundary))
+        r = self.ring
+        return sum(t.numel() * t.element_size() for t in (*r.joined_keys, *r.joined_values, r.positions, self.boundary))
 
     # ---- what the round calls ----------------------------------------------------------------------------
     def prefill(self, slots: slice, prompts: Sequence[Sequence[int]], chunk: int, start: int = 0) -> None:
@@ -103,7 +101,7 @@ class RingDrafting:
         for i, prompt in enumerate(view.prompts):
             tail = prompt[max(0, len(prompt) - span):]
             tokens[i, span - len(tail):] = torch.as_tensor(tail, dtype=torch.long)
-        self.model.fill(self._slot_ring(slice(start, start + n)), tokens, hidden, positions, valid, outputs=False)
+        self.model.fill(self.ring.rows(slice(start, start + n)), tokens, hidden, positions, valid, outputs=False)
 
     def lookahead(self, layers: Sequence[int], confidence: bool = False) -> Lookahead:
         raise ConfigError("the ring drafter's queries live in its own layers' key spaces, not the target's: it has "
@@ -149,9 +147,6 @@ class RingDrafting:
             self._observe_captured = True
 
     # ---- phases ------------------------------------------------------------------------------------------
-    def _slot_ring(self, slots: slice) -> RingState:
-        return self.ring.rows(slots)
-
     def _enter_cur(self, state: RoundState) -> torch.Tensor:
         """`cur` into the ring at L (fed the boundary) -> its output [B, H]: the first proposal's."""
         valid = torch.ones_like(state.cur, dtype=torch.bool)[:, None]

@@ -139,6 +139,12 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
 
+def scatter_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [..., len(ids)] of a subset head -> [..., vocab_size]: each at its vocabulary id, -inf elsewhere."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, ids, logits)
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer reading and writing a static KVCache, in three phases:
 
@@ -259,10 +265,7 @@ class Transformer(nn.Module):
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the output rows -> over the whole vocabulary (-inf for ids outside a subset head)."""
-        if self.head_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.head_ids, logits)
+        return logits if self.head_ids is None else scatter_vocab(logits, self.head_ids, self.config.vocab_size)
 
     def forward_train(self, tokens: torch.Tensor, capture: QueryCapture | None = None) -> torch.Tensor:
         """Causal forward over whole sequences (positions 0..T-1) without a static cache, with autograd: tokens

@@ -30,7 +30,7 @@ from torch import nn
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.checkpoint import save_drafter
-from trtllm_dustin.models.decoder import RMSNorm, Transformer
+from trtllm_dustin.models.decoder import RMSNorm, Transformer, scatter_vocab
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.plugins.fused_ops import add_rms_norm
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
@@ -82,26 +82,35 @@ class RingDrafterConfig:
 
 @dataclass
 class RingState:
-    """A batch's ring: per own layer keys and values [B, C, H_kv, D] (row p % C holds position p), the position each
-    row holds [B, C] (-1: none), and per own layer the current round's slot keys and values [B, G, H_kv, D]. C = W +
-    block + 1, so that a round's newly committed rows (at most block + 1) never evict a row that one of them reads.
-    `joined_keys` / `joined_values`, where set, are per own layer the [B, C + G, H_kv, D] buffers whose first C rows
-    are `keys` and last G rows `slot_keys` (views of them), so a slot step reads the ring and the slots as one tensor
-    without concatenating them."""
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    """A batch's ring: per own layer one buffer of keys and one of values [B, C + G, H_kv, D]. Their first C rows are
+    the ring (row p % C holds position p; `keys` / `values` view them) and their last G rows the current round's slots
+    (`slot_keys` / `slot_values`), so a slot step reads the ring and the slots as one tensor. `positions` [B, C]: the
+    position each ring row holds (-1: none). C = W + block + 1, so that a round's newly committed rows (at most
+    block + 1) never evict a row that one of them reads."""
+    joined_keys: list[torch.Tensor]
+    joined_values: list[torch.Tensor]
     positions: torch.Tensor
-    slot_keys: list[torch.Tensor]
-    slot_values: list[torch.Tensor]
-    joined_keys: list[torch.Tensor] | None = None
-    joined_values: list[torch.Tensor] | None = None
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [t[:, : self.positions.shape[1]] for t in self.joined_keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [t[:, : self.positions.shape[1]] for t in self.joined_values]
+
+    @property
+    def slot_keys(self) -> list[torch.Tensor]:
+        return [t[:, self.positions.shape[1]:] for t in self.joined_keys]
+
+    @property
+    def slot_values(self) -> list[torch.Tensor]:
+        return [t[:, self.positions.shape[1]:] for t in self.joined_values]
 
     def rows(self, slots: slice) -> RingState:
         """The state of sequences `slots` (views: writes reach this state)."""
-        def cut(tensors):
-            return None if tensors is None else [t[slots] for t in tensors]
-        return RingState(cut(self.keys), cut(self.values), self.positions[slots], cut(self.slot_keys),
-                         cut(self.slot_values), cut(self.joined_keys), cut(self.joined_values))
+        return RingState([t[slots] for t in self.joined_keys], [t[slots] for t in self.joined_values],
+                         self.positions[slots])
 
 
 class RingDrafter(nn.Module):
@@ -157,8 +166,7 @@ class RingDrafter(nn.Module):
         if self.head_ids is None:
             return self.target.head(h).float()
         rows = F.linear(self.target.norm(h), self._head_rows).float()
-        full = rows.new_full((*rows.shape[:-1], self.target.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.head_ids, rows)
+        return scatter_vocab(rows, self.head_ids, self.target.config.vocab_size)
 
     # ---- pieces both paths use ---------------------------------------------------------------------------
     @property
@@ -291,11 +299,9 @@ class RingDrafter(nn.Module):
         dtype = dtype or self.fuse.weight.dtype
         shape = (batch, C + G, layer.num_kv_heads, layer.head_dim)  # the ring's C rows, then the G slots'
         n = len(self.layers)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        return RingState([k[:, :C] for k in keys], [v[:, :C] for v in values],
-                         torch.full((batch, C), -1, dtype=torch.long, device=device),
-                         [k[:, C:] for k in keys], [v[:, C:] for v in values], keys, values)
+        return RingState([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                         [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                         torch.full((batch, C), -1, dtype=torch.long, device=device))
 
     @property
     def fill_span(self) -> int:
@@ -372,17 +378,12 @@ class RingDrafter(nn.Module):
         ring_ok = (held >= 0) & (held <= anchor[:, None]) & (held > anchor[:, None] - W)
         slots_ok = torch.arange(1, self.config.block + 1, device=held.device)[None].expand(held.shape[0], -1) <= g
         mask = torch.cat([ring_ok, slots_ok], dim=1)[:, None]  # [B, 1, C + G]
-        joined = state.joined_keys is not None
-        for i, layer in enumerate(self.layers):
-            sk_all, sv_all = state.slot_keys[i], state.slot_values[i]
+        slot = held.shape[1] + g - 1  # this slot's row in the joined buffers: after the ring's C rows
+        for layer, keys, values in zip(self.layers, state.joined_keys, state.joined_values, strict=True):
             q, k, v = self._qkv(layer, s, positions)
-            sk_all[:, g - 1] = k[:, 0].to(sk_all.dtype)
-            sv_all[:, g - 1] = v[:, 0].to(sv_all.dtype)
-            if joined:  # the ring's rows and then the slots', in one buffer (the mask's order)
-                keys, values = state.joined_keys[i], state.joined_values[i]
-            else:
-                keys = torch.cat([state.keys[i], sk_all], dim=1)
-                values = torch.cat([state.values[i], sv_all], dim=1)
+            keys[:, slot] = k[:, 0].to(keys.dtype)
+            values[:, slot] = v[:, 0].to(values.dtype)
+            # the ring's rows and then the slots', in one buffer (the mask's order)
             s = self._finish(layer, s, self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask))
         return s[:, 0]
 
