@@ -481,6 +481,7 @@ def main() -> None:
     if args.jobs > 1 and len(args.contexts) * len(args.tasks) > 1:
         run_units_in_parallel(sys.argv[1:], work_units(args.tasks, args.contexts), args.out, args.jobs)
         return
+    started = environment()  # the command, commit and date the run started from (not the one checked out at its end)
     ring = [m for m in args.methods if METHODS[m].needs_ring]
     if ring:  # its ring is filled from the prefill's hidden states, which the shared prefill here does not keep
         parser.error(f"--methods {' '.join(ring)}: the ring drafter is measured by eval_tau.py --ring, not here")
@@ -526,7 +527,7 @@ def main() -> None:
     summary = summarise_records(records)
     present = list(samples)
     table = markdown(summary, args, present)
-    save_json(args.out, {**environment(), "target": target.source, "draft": args.draft,
+    save_json(args.out, {**started, "target": target.source, "draft": args.draft,
                          "dustin_config": dustin.to_json() if dustin else None, "split": "test",
                          "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                          "seconds": time.perf_counter() - t0, "summary": summary, "records": records})

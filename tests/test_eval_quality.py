@@ -262,3 +262,26 @@ def test_the_ring_method_is_refused_before_loading(monkeypatch, capsys) -> None:
         eval_quality.main()
     assert stop.value.code == 2 and "--methods ring: the ring drafter is measured by eval_tau.py" in \
         capsys.readouterr().err
+
+
+def test_the_record_names_the_commit_and_date_the_run_started_from(monkeypatch, tmp_path) -> None:
+    """The JSON keeps the environment taken before anything loads: a commit made while a long evaluation runs must
+    not be named as the one it measured."""
+    calls = []
+
+    def environment():
+        calls.append(1)
+        return {"git_sha": f"sha{len(calls)}", "date": f"date{len(calls)}"}
+
+    out = tmp_path / "q.json"
+    evaluate = eval_quality.evaluate
+    monkeypatch.setattr(eval_quality, "environment", environment)
+    # a later environment() (as a commit landing mid-run would give) must not reach the record
+    monkeypatch.setattr(eval_quality, "evaluate", lambda *a, **k: (environment(), evaluate(*a, **k))[1])
+    monkeypatch.setattr(sys, "argv", ["eval_quality.py", "--methods", "classic", "--tasks", "needle", "--contexts",
+                                      "512", "--samples", "1", "--answer-tokens", "4", "--batch-size", "1",
+                                      "--m-sweep", "0", "--device", "cpu", "--out", str(out)])
+    eval_quality.main()
+    record = json.loads(out.read_text())
+    assert calls == [1, 1] and record["git_sha"] == "sha1" and record["date"] == "date1"
+    assert record["summary"] and out.with_suffix(".md").exists()

@@ -46,7 +46,8 @@
 #                 the same command: they resume); each one trained gets the AR draft's subset head and its tau at Γ = 7
 #                 (T 0 and 1, 4K and 8K, $DOCS windows per family, default 24, of $FAMILIES, default the test split
 #                 and fortunes) -> $OUT/rings.tgz (records, loss curves, logs, tau) and each trained drafter's
-#                 weights in parts, $OUT/NAME_weights.N (cat them; rings.tgz holds their sha256)
+#                 weights in parts, $OUT/NAME_weights.N (cat them; rings.tgz holds their sha256). RINGS_TAU=0: the
+#                 weights only (no head ids, no tau; then only .carry/s1 and s2 need be stashed)
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
 #                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
@@ -65,8 +66,9 @@ L=~/ls_out
 restore() {  # the commit sent and the packaged weights (left out of the device's tree by tree-on), from the stash
   GIT_SHA=$(cat "$S/git_sha"); export GIT_SHA
   mkdir -p trtllm_dustin/weights "$L"
-  cp -r "$S/smollm2_draft" "$S/smollm2_longspark" trtllm_dustin/weights/
-  if [ -d "$S/smollm2_ring" ]; then cp -r "$S/smollm2_ring" trtllm_dustin/weights/; fi
+  for d in smollm2_draft smollm2_longspark smollm2_ring; do  # what was stashed (training needs none of them)
+    if [ -d "$S/$d" ]; then cp -r "$S/$d" trtllm_dustin/weights/; fi
+  done
 }
 
 variant_a() {  # A's data and flags: the regenerated windows with anchors in their written part, else the originals
@@ -201,10 +203,12 @@ rings)
       cp "$L/$name/loss_curve.png" "$L/rings_out/loss_$name.png" 2>/dev/null
       if python3 -c "import json, sys; sys.exit(json.load(open('$L/$name/training_record.json'))['seconds'] < $total - 1)"
       then
-        python3 benchmarks/dev/ring_head_ids.py --ring "$L/$name/checkpoint" --draft-dir trtllm_dustin/weights/smollm2_draft
         cp "$L/$name/checkpoint/config.json" "$L/rings_out/config_$name.json"
-        (cd "$L/$name/checkpoint" && sha256sum model.safetensors head_ids.safetensors) > "$L/rings_out/sha256_$name"
+        (cd "$L/$name/checkpoint" && sha256sum model.safetensors) > "$L/rings_out/sha256_$name"
         split -b 15M -d -a 1 "$L/$name/checkpoint/model.safetensors" "$OUT/${name}_weights."
+        [ "${RINGS_TAU:-1}" = 1 ] || exit 0  # weights only (head ids and tau made elsewhere)
+        python3 benchmarks/dev/ring_head_ids.py --ring "$L/$name/checkpoint" --draft-dir trtllm_dustin/weights/smollm2_draft
+        (cd "$L/$name/checkpoint" && sha256sum head_ids.safetensors) >> "$L/rings_out/sha256_$name"
         timeout "${TAU_SECONDS:-420}" python3 benchmarks/eval_tau.py --prompts "$S/test_prompts.npz" --methods ring \
           --ring "$L/$name/checkpoint" --contexts "${contexts[@]}" --gammas 7 --temperatures 0 1 --docs "${DOCS:-24}" \
           --families "${families[@]}" --out "$L/rings_out/tau_$name.json" > "$L/rings_out/tau_$name.log" 2>&1 \
