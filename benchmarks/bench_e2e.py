@@ -50,6 +50,7 @@ from trtllm_dustin.kv_cache import KVCache, available_memory
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark, spread_layers
 from trtllm_dustin.models.presets import get_preset
+from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS, quantize_draft
 from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import FP8_KV_DTYPE, to_cache_dtype
@@ -87,13 +88,14 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
                            for flag, (field, _) in SWITCHES.items()})
 
 
-def bench_ring_drafter(target, reads, own_layers: int, head_ids: int = 0):
+def bench_ring_drafter(target, reads, own_layers: int, head_ids: int = 0, weights: str = "model"):
     """The benches' random ring drafter at the real shapes: `own_layers` of the target's shape spread over its
     depth, reading the layers `reads`, a ring of 256 rows, a block of 7; with a subset head of `head_ids` ids (the
-    first ones: which ids does not change the cost), or the whole vocabulary (0)."""
+    first ones: which ids does not change the cost), or the whole vocabulary (0); its layers and head as `weights`
+    (RingDrafter.quantize_weights)."""
     model = random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers, own_layers),
                                                           256, 7), seed=3)
-    return model.use_head(torch.arange(head_ids) if head_ids else None)
+    return model.use_head(torch.arange(head_ids) if head_ids else None).quantize_weights(weights)
 
 
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
@@ -243,7 +245,7 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
         spark = random_longspark(target, seed=2, target_layers=layers)
     if any(METHODS[split_method(m)[0]].needs_ring for m in args.methods):
-        ring = bench_ring_drafter(target, layers, args.ring_layers, args.ring_head_ids)
+        ring = bench_ring_drafter(target, layers, args.ring_layers, args.ring_head_ids, args.ring_weights)
     runs = [(method, budget) for method in args.methods
             for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
     for method, budget in runs:
@@ -389,6 +391,10 @@ def main() -> None:
                         "shape (the ring method; default: 4, the probe's)")
     parser.add_argument("--ring-head-ids", type=int, default=0, help="the ring drafter proposes from a subset head "
                         "of this many vocabulary ids (0: the whole vocabulary; default: 0)")
+    parser.add_argument("--draft-weights", choices=DRAFTER_WEIGHTS, default="model", help="the draft model's layers "
+                        "in the model's dtype, or weight-only int8 (its embedding and head stay; default: model)")
+    parser.add_argument("--ring-weights", choices=DRAFTER_WEIGHTS, default="model", help="the ring drafter's own "
+                        "layers and subset head in the model's dtype, or weight-only int8 (default: model)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds (vanilla: steps) per pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path; a CSV is written beside it")
@@ -466,6 +472,7 @@ def main() -> None:
     else:
         target = load_model(pair.target, device=device, dtype=dtype, max_positions=max_pos).model
         draft = load_model(pair.draft, device=device, dtype=dtype, max_positions=max_pos, seed=1).model
+    quantize_draft(draft, args.draft_weights)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         rows += bench_batch(pair, target, draft, batch, contexts, args, device, dtype)
@@ -474,6 +481,7 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / f"e2e_{args.pair}_{where}.json"
     save_json(out, {**environment(), "pair": args.pair, "target": pair.target, "draft": pair.draft,
                     "gamma": pair.gamma, "ring_layers": args.ring_layers, "ring_head_ids": args.ring_head_ids,
+                    "ring_weights": args.ring_weights, "draft_weights": args.draft_weights,
                     **{flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in SWITCHES},
                     "kernels": json.loads(args.kernels.to_json()), "pdl_supported": pdl_supported(device),
                     "dustin_config": "hand-written placeholder (paper-sized), not searched: "

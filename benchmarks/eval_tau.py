@@ -31,6 +31,7 @@ import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only me
 from trtllm_dustin.dustin_config import DustinConfig
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
+from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS, quantize_draft
 from trtllm_dustin.models.ring_drafter import load_ring_drafter
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES, draft_kv_dtype
 from trtllm_dustin.runtime.build import attention_backend, build_runtime
@@ -144,6 +145,11 @@ def main() -> None:
     parser.add_argument("--ring-head", choices=("subset", "full"), default="subset",
                         help="the ring drafter proposes from its subset head, where its directory has one "
                         "(head_ids.safetensors), or from the whole vocabulary (default: subset)")
+    parser.add_argument("--draft-weights", choices=DRAFTER_WEIGHTS, default="model",
+                        help="the draft's layers as loaded (model) or rounded to weight-only int8 (default: model)")
+    parser.add_argument("--ring-weights", choices=DRAFTER_WEIGHTS, default="model",
+                        help="the ring drafter's layers and subset head as loaded (model) or rounded to weight-only "
+                        "int8, one scale per output row (default: model)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--gammas", type=int, nargs="+", default=[3])
     unseen = "; ".join(f"{family} ({what})" for family, what in UNSEEN.items())
@@ -191,8 +197,11 @@ def main() -> None:
     needs = [METHODS[m] for m in args.methods]
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \
         if any(m.needs_draft for m in needs) or args.ppl else None
+    if draft is not None:
+        quantize_draft(draft, args.draft_weights)
     longspark = load_longspark(args.longspark, target.model) if any(m.needs_longspark for m in needs) else None
-    ring = load_ring_drafter(args.ring, target.model, subset_head=args.ring_head == "subset") \
+    ring = load_ring_drafter(args.ring, target.model, subset_head=args.ring_head == "subset",
+                             weights=args.ring_weights) \
         if any(m.needs_ring for m in needs) else None
     backend = attention_backend(device)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
@@ -213,6 +222,7 @@ def main() -> None:
         return {**started, "target": target.source, "draft": args.draft,
                 "longspark": args.longspark or "packaged", "ring": args.ring or "packaged",
                 "ring_head_ids": None if ring is None or ring.head_ids is None else len(ring.head_ids),
+                "ring_weights": args.ring_weights, "draft_weights": args.draft_weights,
                 "new_tokens": args.new_tokens,
                 "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
                 "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,

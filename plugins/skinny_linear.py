@@ -19,13 +19,20 @@ Split-K reduction without a second launch: each program stores its fp32 partial 
 slice order (deterministic), adds the bias, writes y, and resets the counter to 0 for the next call (so the
 launch is replayable in a CUDA graph with the same buffers).
 
+Weight-only int8 (a drafter's layers, `trtllm_dustin/models/quantize.py`): W int8 [N, K] with one fp32 scale per
+output row, y = (x @ W^T) * scale (+ b). The kernel streams half the bytes of a bf16 weight: each tile is widened to
+x's dtype after its load (exact: |q| <= 127), and the scale multiplies the fp32 accumulator once, in the epilogue.
+Such a call runs the kernel wherever Triton runs and it has at most 2 * MAX_ROWS rows (the table's configuration,
+else QUANTIZED_CONFIG), since cuBLAS would need the weight widened to bf16 first.
+
 Launch contract (`skinny_linear_forward`): x [M, K] with unit stride along K, W [N, K] contiguous, bias [N]
-or None, all one dtype (bf16 / fp16 / fp32); y [M, N] in that dtype; with SPLIT_K > 1 a SplitKWorkspace
-(fp32 partials of >= SPLIT_K * M * N, int32 counters of >= cdiv(N, BLOCK_N), zero). Grid (cdiv(N, BLOCK_N),
-SPLIT_K). One workspace may serve every launch of a stream: a launch resets its counters before it ends.
+or None, all one dtype (bf16 / fp16 / fp32), or W int8 with scale [N] (any float dtype); y [M, N] in x's dtype;
+with SPLIT_K > 1 a SplitKWorkspace (fp32 partials of >= SPLIT_K * M * N, int32 counters of >= cdiv(N, BLOCK_N),
+zero). Grid (cdiv(N, BLOCK_N), SPLIT_K). One workspace may serve every launch of a stream: a launch resets its
+counters before it ends.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +44,14 @@ from .linear_tactics import LinearConfig, row_block
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
 from .split_kv import dot_mode, runs_triton, tile_dot
 
-__all__ = ["DEFAULT_KERNELS", "MAX_ROWS", "SplitKWorkspace", "pick_config", "skinny_linear", "skinny_linear_forward",
-           "skinny_linear_ref"]
+__all__ = ["DEFAULT_KERNELS", "MAX_ROWS", "QUANTIZED_CONFIG", "SplitKWorkspace", "pick_config", "skinny_linear",
+           "skinny_linear_forward", "skinny_linear_ref"]
 
 MAX_ROWS = 64  # more rows than this (prefill chunks) are a regular GEMM: F.linear
 _DTYPES = (torch.bfloat16, torch.float16)  # what the op runs on the kernel (fp32: F.linear)
+# an int8 weight's shape that the table does not list (the table's sweeps were of bf16 weights): one program per
+# 64 output columns, no split; a starting point for a sweep of int8 weights, which none has measured yet
+QUANTIZED_CONFIG = LinearConfig(block_n=64, block_k=128, split_k=1, swap=True, num_warps=4, num_stages=4)
 
 
 @dataclass
@@ -72,12 +82,21 @@ def pick_config(kernels: KernelConfig, x: torch.Tensor, weight: torch.Tensor,
                 workspace: SplitKWorkspace | None) -> LinearConfig | None:
     """The kernel configuration a call takes, or None for F.linear: the tactic table's entry for the shape
     (a shape not in the table runs F.linear), for 1..MAX_ROWS rows in bf16 / fp16 where Triton runs; a split-K
-    entry only with a workspace that fits, a tie only on a PDL launch with `kernels.skinny_ties`."""
+    entry only with a workspace that fits, a tie only on a PDL launch with `kernels.skinny_ties`. An int8 weight
+    takes the kernel for 1..2 * MAX_ROWS rows: the table's entry without its split where no workspace fits, or
+    QUANTIZED_CONFIG where the table has none."""
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if not kernels.skinny_linear or not runs_triton(x) or not 0 < M <= MAX_ROWS or x.dtype not in _DTYPES:
+    quantized = weight.dtype == torch.int8
+    rows = 2 * MAX_ROWS if quantized else MAX_ROWS
+    if not kernels.skinny_linear or not runs_triton(x) or not 0 < M <= rows or x.dtype not in _DTYPES:
         return None
-    tactic = kernels.tactics.lookup(M, N, K)
+    tactic = kernels.tactics.lookup(M, N, K) if M <= MAX_ROWS else None
+    if quantized:
+        config = tactic.config if tactic is not None and tactic.config is not None else QUANTIZED_CONFIG
+        if config.split_k > 1 and (workspace is None or not workspace.fits(M, N, config)):
+            config = replace(config, split_k=1)
+        return config
     if tactic is None or tactic.config is None:
         return None
     if tactic.config.split_k > 1 and (workspace is None or not workspace.fits(M, N, tactic.config)):
@@ -87,15 +106,23 @@ def pick_config(kernels: KernelConfig, x: torch.Tensor, weight: torch.Tensor,
     return tactic.config
 
 
-def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); with an int8 weight and its per-row scale, the product is taken in fp32 (fp64 for
+    fp64 x; a transient copy of the weight), scaled and biased there, and rounded once to x's dtype, as the kernel
+    does."""
+    if scale is None:
+        return F.linear(x, weight, bias)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    y = F.linear(x.to(wide), weight.to(wide)) * scale.to(wide)
+    return (y if bias is None else y + bias.to(wide)).to(x.dtype)
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
-                          EVEN_K: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                          stride_ym, split_k, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+                          SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_wait_if(USE_GDC)  # PDL: nothing is read before the previous kernel has completed
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,6 +150,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
             k_ok = k[None, :] < K
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        if HAS_SCALE:  # int8 -> x's dtype, exact; the row scales wait for the epilogue
+            if DOT_MODE == "upcast":
+                w = w.to(tl.float32)  # the interpreter's bf16 dot runs in fp32 anyway (split_kv.dot_mode)
+            else:
+                w = w.to(x.dtype)
         if SWAP:
             acc += tile_dot(w, tl.trans(x), DOT_MODE)
         else:
@@ -132,7 +164,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     tile_ok = m_ok[:, None] & n_ok[None, :]
     y_tile = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if HAS_SCALE:
+        row_scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if not SPLIT:
+        if HAS_SCALE:
+            acc = acc * row_scale
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
@@ -145,6 +181,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptr + s * M * N + part_tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            if HAS_SCALE:
+                total = total * row_scale
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_tile, total.to(y_ptr.dtype.element_ty), mask=tile_ok)
@@ -153,16 +191,24 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
 
 def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig,
                           workspace: SplitKWorkspace | None = None, out: torch.Tensor | None = None,
-                          pdl: bool = False) -> torch.Tensor:
-    """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]. pdl: launch with
-    programmatic dependent launch where pdl_supported (sm_90+)."""
+                          pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T + bias with the Triton kernel; x [..., K] (rows flattened), weight [N, K]; an int8 weight
+    with its per-row scale [N]: y = (x @ weight^T) * scale + bias. pdl: launch with programmatic dependent launch
+    where pdl_supported (sm_90+)."""
     *lead, K = x.shape
     N = weight.shape[0]
-    if weight.shape[1] != K:
+    if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {K}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")
+    quantized = weight.dtype == torch.int8
+    if quantized != (scale is not None):
+        raise ValueError("an int8 weight needs its per-row scale, and only an int8 weight takes one; got weight "
+                         f"{weight.dtype} with scale {None if scale is None else tuple(scale.shape)}")
+    if quantized and (tuple(scale.shape) != (N,) or not scale.is_floating_point() or not scale.is_contiguous()):
+        raise ValueError(f"scale must be a contiguous float tensor [{N}] (one per weight row); got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    if (not quantized and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share a dtype (or the weight be int8 with a scale); got {x.dtype}, "
+                         f"{weight.dtype}, {None if bias is None else bias.dtype}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous [N, K]")
     x2 = x.reshape(-1, K)
@@ -182,8 +228,9 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     block_m = row_block(M)
     grid = (triton.cdiv(N, config.block_n), config.split_k)
     _skinny_linear_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y, part, counters, M, N, K, x2.stride(0), weight.stride(0),
-        y.stride(0), config.split_k, HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, SWAP=config.swap,
+        x2, weight, bias if bias is not None else weight, scale if quantized else weight, y, part, counters, M, N, K,
+        x2.stride(0), weight.stride(0), y.stride(0), config.split_k, HAS_BIAS=bias is not None, HAS_SCALE=quantized,
+        SPLIT=config.split_k > 1, SWAP=config.swap,
         EVEN_K=K % config.block_k == 0, DOT_MODE=dot_mode(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **gdc_args(pdl and pdl_supported(x.device)))
@@ -191,18 +238,18 @@ def skinny_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 @torch.library.custom_op("trtllm_dustin::skinny_linear", mutates_args=("partials", "counters"))
-def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partials: torch.Tensor | None,
-                      counters: torch.Tensor | None, block_n: int, block_k: int, split_k: int, swap: bool,
-                      num_warps: int, num_stages: int, pdl: bool) -> torch.Tensor:
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                      partials: torch.Tensor | None, counters: torch.Tensor | None, block_n: int, block_k: int,
+                      split_k: int, swap: bool, num_warps: int, num_stages: int, pdl: bool) -> torch.Tensor:
     # The LinearConfig travels as plain values: a custom op takes no dataclass.
     config = LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
                           num_stages=num_stages)
     workspace = None if partials is None or counters is None else SplitKWorkspace(partials, counters)
-    return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl)
+    return skinny_linear_forward(x, weight, bias, config, workspace, pdl=pdl, scale=scale)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias, partials, counters, block_n, block_k, split_k, swap, num_warps, num_stages, pdl
+def _(x, weight, bias, scale, partials, counters, block_n, block_k, split_k, swap, num_warps, num_stages, pdl
       ) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -211,17 +258,21 @@ DEFAULT_KERNELS = KernelConfig()  # the packaged tactic table, every kernel path
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: SplitKWorkspace | None = None, *, kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+                  workspace: SplitKWorkspace | None = None, *, kernels: KernelConfig = DEFAULT_KERNELS,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized inputs: x [..., K] with at most MAX_ROWS rows in bf16 / fp16 and a
     shape that `kernels`' tactic table gives a configuration runs the Triton kernel (a split-K configuration only
     with a workspace; a tie with cuBLAS only on a PDL launch with kernels.skinny_ties); anything else runs F.linear.
     A shape not in the table runs F.linear (cuBLAS), because the kernel was only kept where a sweep measured it at
     least 2 % faster (or tied, for PDL launches): SmolLM2-135M's projections (hidden 576) are such shapes.
+    An int8 weight with its per-row `scale` (weight-only quantization) runs the kernel for up to 2 * MAX_ROWS rows
+    wherever Triton runs (pick_config), else skinny_linear_ref's widened copy.
     kernels.skinny_linear=False runs F.linear throughout; the launch uses PDL when kernels.pdl and
     kernels.skinny_pdl and the device supports it."""
     config = pick_config(kernels, x, weight, workspace)
     if config is None:
-        return skinny_linear_ref(x, weight, bias)
+        return skinny_linear_ref(x, weight, bias, scale)
     partials, counters = (None, None) if workspace is None else (workspace.partials, workspace.counters)
-    return _skinny_linear_op(x, weight, bias, partials, counters, config.block_n, config.block_k, config.split_k,
-                             config.swap, config.num_warps, config.num_stages, kernels.skinny_launch_pdl)
+    return _skinny_linear_op(x, weight, bias, scale, partials, counters, config.block_n, config.block_k,
+                             config.split_k, config.swap, config.num_warps, config.num_stages,
+                             kernels.skinny_launch_pdl)

@@ -110,6 +110,22 @@ def test_budget_runs_every_sparse_method_at_each_k_and_full_ones_once(tmp_path: 
     assert bad.returncode != 0 and "--budget 10" in bad.stderr and "sinks + recent window = 12" in bad.stderr
 
 
+def test_rows_run_with_int8_drafter_weights(tmp_path: Path) -> None:
+    """--draft-weights int8 / --ring-weights int8: the classic rows run with the draft's layers in weight-only int8,
+    the ring rows with the ring drafter's layers and subset head in int8, and the JSON says so."""
+    out = tmp_path / "e2e_int8.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_e2e.py"), "--pair", "tiny", "--batches", "2",
+                    "--contexts", "72", "--rounds", "3", "--device", "cpu", "--methods", "classic,ring", "--gamma",
+                    "5", "--draft-weights", "int8", "--ring-weights", "int8", "--ring-head-ids", "64", "--out",
+                    str(out)], check=True, env=env, cwd=BENCHMARKS, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert (result["draft_weights"], result["ring_weights"], result["ring_head_ids"]) == ("int8", "int8", 64)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"classic", "ring"} and rows["ring"]["drafter_state_bytes"] > 0
+    assert all(r["ms_per_round"] > 0 and r["phase_ms_per_round"]["draft"] > 0 for r in rows.values())
+
+
 def test_gamma_sets_every_methods_round(tmp_path: Path) -> None:
     """--gamma 5 (every drafter, the ring drafter's too): the stated tau is drawn over 6 outcomes (rounds can commit up
     to 6), recorded in the JSON; a Γ whose rounds cannot reach the stated tau, or past LongSpark's block, is refused

@@ -6,7 +6,7 @@ CPU: runs the Triton kernel under TRITON_INTERPRET=1; the same tests run on CUDA
 (there also inside a CUDA graph, where launches use PDL).
 """
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -22,9 +22,11 @@ from trtllm_dustin.plugins.pdl import pdl_supported  # noqa: E402
 from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
     DEFAULT_KERNELS,
     MAX_ROWS,
+    QUANTIZED_CONFIG,
     SplitKWorkspace,
     skinny_linear,
     skinny_linear_forward,
+    skinny_linear_ref,
 )
 
 
@@ -68,6 +70,67 @@ def test_matches_float64(m: int, n: int, k: int, config: LinearConfig, dtype: to
         assert_close_to_f64(out, ref, k)
         if workspace is not None:
             assert int(workspace.counters.abs().sum()) == 0, "split-K counters not reset after the launch"
+
+
+def int8_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight using the whole range (both ends included) and per-row scales spread over two decades."""
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[:, 0], q[:, -1] = 127, -127
+    scale = 10 ** (torch.rand(n, generator=gen) * 2 - 3) / k ** 0.5
+    return q.to(DEVICE), scale.to(DEVICE)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS, ids=["swap", "plain", "split3"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (33, 200, 384), (2 * MAX_ROWS, 72, 200)])
+def test_int8_weights_match_float64(m: int, n: int, k: int, config: LinearConfig, dtype: torch.dtype) -> None:
+    """An int8 weight with one scale per row: the float64 product with the weight it stands for (q * scale), bias
+    added after the scale; the widening to x's dtype is exact, so only the output's rounding remains. Up to
+    2 * MAX_ROWS rows (the observe pass of a Γ = 7 round at B = 16)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + 1)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    q, scale = int8_weight(n, k, gen)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if n % 2 == 0 else None
+    workspace = SplitKWorkspace.allocate(m, n, config, x.device) if config.split_k > 1 else None
+    ref = reference(x, q.double() * scale.double()[:, None], b)
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+        skinny_linear_forward(x, q, b, config, workspace, out=out, scale=scale)
+        assert_close_to_f64(out, ref, k)
+        if workspace is not None:
+            assert int(workspace.counters.abs().sum()) == 0, "split-K counters not reset after the launch"
+    assert_close_to_f64(skinny_linear_ref(x, q, b, scale), ref, k)  # the widened copy the CPU path serves
+
+
+@needs_kernel
+def test_int8_weights_take_the_kernel_wherever_triton_runs(monkeypatch, tmp_path) -> None:
+    """An int8 weight runs the kernel for 1..2 * MAX_ROWS rows: with the table's configuration where it has one
+    (without its split when no workspace fits), else QUANTIZED_CONFIG; a tie needs no PDL launch (cuBLAS would
+    read a widened copy). More rows, fp32 activations and skinny_linear=False take the widened copy."""
+    launched = record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    q, scale = int8_weight(40, 96, gen)
+    few = torch.randn(2, 4, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    ref = reference(few, q.double() * scale.double()[:, None], None)
+    assert_close_to_f64(skinny_linear(few, q, scale=scale), ref, 96)  # not in the packaged table
+    assert launched == [QUANTIZED_CONFIG]
+    split = LinearConfig(block_n=16, block_k=32, split_k=3, num_stages=2)
+    kernels = KernelConfig(linear_tactics=write_tactics(tmp_path / "split.json", [table_entry(split, tie=True)]),
+                           pdl=False)
+    assert_close_to_f64(skinny_linear(few, q, kernels=kernels, scale=scale), ref, 96)
+    workspace = SplitKWorkspace.for_outputs(40, few.device)
+    assert_close_to_f64(skinny_linear(few, q, None, workspace, kernels=kernels, scale=scale), ref, 96)
+    assert launched == [QUANTIZED_CONFIG, replace(split, split_k=1), split]
+    rows = torch.randn(2 * MAX_ROWS, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    assert_close_to_f64(skinny_linear(rows, q, scale=scale), reference(rows, q.double() * scale.double()[:, None],
+                                                                       None), 96)
+    assert len(launched) == 4
+    more = torch.randn(2 * MAX_ROWS + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    for x, switches in ((more, {}), (few.float(), {}), (few, dict(skinny_linear=False))):
+        got = skinny_linear(x, q, kernels=KernelConfig(**switches), scale=scale)
+        assert torch.equal(got, skinny_linear_ref(x, q, None, scale))
+    assert len(launched) == 4
 
 
 @needs_kernel
@@ -173,6 +236,13 @@ def test_errors() -> None:
         skinny_linear_forward(torch.zeros(4, 16), w, None, LinearConfig(split_k=2))
     with pytest.raises(ValueError, match="share a dtype"):
         skinny_linear_forward(torch.zeros(4, 16), w.half(), None, LinearConfig())
+    q = torch.zeros(8, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8 weight needs its per-row scale"):
+        skinny_linear_forward(torch.zeros(4, 16), q, None, LinearConfig())
+    with pytest.raises(ValueError, match="int8 weight needs its per-row scale"):
+        skinny_linear_forward(torch.zeros(4, 16), w, None, LinearConfig(), scale=torch.ones(8))
+    with pytest.raises(ValueError, match=r"scale must be a contiguous float tensor \[8\]"):
+        skinny_linear_forward(torch.zeros(4, 16), q, None, LinearConfig(), scale=torch.ones(16))
 
 
 @needs_cuda

@@ -169,17 +169,18 @@ def _ring_decoder(target, model, slots: int, max_seq_len: int, gamma: int):
                                              ring=model, gamma=gamma))
 
 
+@pytest.mark.parametrize("weights", ["model", "int8"])
 @pytest.mark.parametrize("prompt_len", [20, 4])
-def test_the_runtime_proposes_what_training_unrolls(target, prompt_len: int) -> None:
+def test_the_runtime_proposes_what_training_unrolls(target, prompt_len: int, weights: str) -> None:
     """Admission (a prompt longer than W, prefilled in chunks shorter than W) and then rounds: each greedy proposal
     is the argmax of forward_train's slots at the anchor L over the committed tokens followed by the proposal
     itself, so the ring the rounds keep (filled at admission, cur at propose, accepted drafts at observe, fed the
     verification's hidden states) is the ring training builds. A prompt longer than fill_span (11 here) and one
-    shorter than W."""
+    shorter than W; the drafter as it is and with its layers in weight-only int8."""
     from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
     from trtllm_dustin.runtime.state import Progress
 
-    model = _drafter(target)
+    model = _drafter(target).quantize_weights(weights)
     prompt = [5 + (i * 7) % 240 for i in range(prompt_len)]
     decoder = _ring_decoder(target, model, 1, 64, gamma=G)
     progress = Progress.allocate(1, 40, G, (), torch.device("cpu"))
@@ -218,15 +219,16 @@ def test_the_runtime_proposes_what_training_unrolls(target, prompt_len: int) -> 
     assert decoder.drafter.state_bytes() == _ring_decoder(target, model, 1, 640, gamma=G).drafter.state_bytes()
 
 
-def test_ring_rounds_generate_what_the_target_alone_generates(target) -> None:
+@pytest.mark.parametrize("weights", ["model", "int8"])
+def test_ring_rounds_generate_what_the_target_alone_generates(target, weights: str) -> None:
     """Greedy speculative decoding with the ring drafter commits exactly the target's own greedy tokens (prompts
     shorter and longer than the ring, several slots), and with a drafter trained to copy the target's argmax it
-    accepts drafts; T = 1 runs too, drawing valid tokens."""
+    accepts drafts; T = 1 runs too, drawing valid tokens. A drafter in weight-only int8 too."""
     from trtllm_dustin.runtime.build import build_runtime
     from trtllm_dustin.runtime.generation import GenerationConfig
     from trtllm_dustin.runtime.sampling import SamplingParams
 
-    model = _drafter(target)
+    model = _drafter(target).quantize_weights(weights)
     prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)], [3 + (i * 5) % 200 for i in range(11)]]
     config = GenerationConfig(max_new_tokens=12, eos_token_ids=(), prefill_chunk=4)
     ring = _ring_decoder(target, model, 3, 64, gamma=3).generate(prompts, config)
@@ -452,3 +454,59 @@ def test_a_pass_that_only_writes_the_ring_leaves_the_same_ring_and_skips_the_las
     assert torch.equal(full.positions, ring.positions)
     for x, y in zip([*full.joined_keys, *full.joined_values], [*ring.joined_keys, *ring.joined_values], strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_int8_weights_halve_what_the_layers_and_head_hold_and_move_the_outputs_little(target) -> None:
+    """quantize_weights("int8"): every projection of the own layers becomes an int8 weight with one scale per row
+    (so a bf16 drafter's layers hold about half the bytes), the subset head's rows too; F, P and the norms stay.
+    The slot outputs move by a small fraction of their size, and logits at the head's ids stay within the int8
+    rounding of its rows."""
+    from trtllm_dustin.models.quantize import Int8Linear
+
+    tokens = torch.randint(2, 250, (2, 24), generator=torch.Generator().manual_seed(5))
+    hidden = _hidden(target, tokens)
+    anchors = torch.tensor([10, 16])
+    ids = torch.arange(0, 257, 2)
+    model = _drafter(target).use_head(ids)
+    with torch.no_grad():
+        _, before = model.forward_train(tokens, hidden, anchors)
+        logits_before = model.logits(before)
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * len(OWN)
+    model.quantize_weights("int8")
+    quantized = [m for layer in model.layers for m in layer.modules() if isinstance(m, Int8Linear)]
+    assert len(quantized) == len(linears) and not any(
+        isinstance(m, torch.nn.Linear) for layer in model.layers for m in layer.modules())
+    for old, new in zip(linears, quantized, strict=True):
+        assert new.weight.dtype == torch.int8 and new.weight.shape == old.weight.shape
+        assert (new.dequantized() - old.weight.float()).abs().max() <= new.scale.max() / 2 * (1 + 1e-6)
+        assert new.weight.numel() + 4 * new.scale.numel() < 0.55 * 2 * old.weight.numel()  # vs bf16
+    assert model._head_rows.dtype == torch.int8 and model.weights == "int8"
+    assert isinstance(model.fuse, torch.nn.Linear) and isinstance(model.own, torch.nn.Linear)
+    with torch.no_grad():
+        _, after = model.forward_train(tokens, hidden, anchors)
+        logits_after = model.logits(after)
+    change = (after - before).norm(dim=-1) / before.norm(dim=-1)
+    assert 0 < change.max() < 0.05, change
+    assert torch.equal(torch.isneginf(logits_after), torch.isneginf(logits_before))
+    inside = logits_before[..., ids]
+    assert ((logits_after[..., ids] - inside).abs().max() < 0.05 * inside.abs().max())
+
+
+def test_quantizing_is_refused_where_it_cannot_apply(target, tmp_path) -> None:
+    from trtllm_dustin.models.ring_drafter import load_ring_drafter
+
+    model = _drafter(target)
+    with pytest.raises(ConfigError, match="drafter weights 'int4': choose one of model, int8"):
+        model.quantize_weights("int4")
+    with pytest.raises(ConfigError, match="drafter weights 'int4'"):  # checked before the directory is looked at
+        load_ring_drafter(tmp_path / "absent", target, weights="int4")
+    assert model.quantize_weights("model") is model and model.weights == "model"
+    model.quantize_weights("int8")
+    with pytest.raises(ConfigError, match="already int8"):
+        model.quantize_weights("int8")
+    with pytest.raises(ConfigError, match="choose the subset head before quantize_weights"):
+        model.use_head(torch.arange(5))
+    with pytest.raises(ConfigError, match="save the drafter it was quantized from"):
+        model.save(tmp_path / "ring")
+    assert not (tmp_path / "ring").exists()

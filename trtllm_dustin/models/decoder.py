@@ -27,6 +27,7 @@ from torch import nn
 from trtllm_dustin.attention import AttentionBackend, AttentionMetadata, WholeSequenceAttention, WholeSequenceKV
 from trtllm_dustin.config import ModelConfig
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.models.quantize import project
 from trtllm_dustin.models.rope import apply_rope, rope_tables
 from trtllm_dustin.plugins.fused_ops import FUSED_DTYPES, add_rms_norm, add_rms_norm_ref, rope_qkv_to_cache, silu_mul
 from trtllm_dustin.plugins.kernel_config import KernelConfig
@@ -35,10 +36,11 @@ from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
 
-def _skinny(layer: nn.Linear, kernels: KernelConfig, x: torch.Tensor) -> torch.Tensor:
+def _skinny(layer: nn.Module, kernels: KernelConfig, x: torch.Tensor) -> torch.Tensor:
     """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py)
-    where `kernels`' tactic table has their shape, launched with PDL where kernels allow it."""
-    return skinny_linear(x, layer.weight, layer.bias, kernels=kernels)
+    where `kernels`' tactic table has their shape (an int8 drafter weight: wherever Triton runs), launched with PDL
+    where kernels allow it."""
+    return project(layer, x, kernels)
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +129,7 @@ class FeedForward(nn.Module):
     def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace, kernels: KernelConfig) -> torch.Tensor:
         # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
         activation = silu_mul(_skinny(self.w_gate_up, kernels, x), pdl=kernels.pdl)
-        return skinny_linear(activation, self.w_down.weight, None, workspace, kernels=kernels)
+        return project(self.w_down, activation, kernels, workspace)
 
 
 class Block(nn.Module):

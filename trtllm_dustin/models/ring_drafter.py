@@ -31,6 +31,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer, scatter_vocab
+from trtllm_dustin.models.quantize import check_drafter_weights, project, quantize_linears, quantize_rows
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.plugins.fused_ops import add_rms_norm
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
@@ -132,12 +133,17 @@ class RingDrafter(nn.Module):
         # plain attributes, so not saved with the weights (HEAD_IDS_FILE holds the ids) and not trained
         self.head_ids: torch.Tensor | None = None
         self._head_rows: torch.Tensor | None = None
+        self._head_scale: torch.Tensor | None = None  # per-row scales of int8 head rows (quantize_weights)
+        self.weights = "model"  # what quantize_weights made of the layers and the subset head
 
     def use_head(self, ids: torch.Tensor | None) -> RingDrafter:
         """Propose only tokens of the vocabulary ids `ids` (a subset head: the target's output rows at them, copied
         once; every other id gets logit -inf), or from the whole vocabulary (None). Call it once the target is on
         its device and in its dtype: the rows are taken from it as they are. Proposals from a subset are verified
         as any others, so decoding stays exact; what changes is how many bytes each slot's head reads."""
+        if self.weights != "model":
+            raise ConfigError("choose the subset head before quantize_weights: the head rows are quantized with the "
+                              "layers")
         if ids is None:
             self.head_ids = self._head_rows = None
             return self
@@ -165,8 +171,26 @@ class RingDrafter(nn.Module):
         final norm and output head, or its rows of a subset head (-inf at the other ids)."""
         if self.head_ids is None:
             return self.target.head(h).float()
-        rows = F.linear(self.target.norm(h), self._head_rows).float()
+        rows = skinny_linear(self.target.norm(h), self._head_rows, kernels=self.target.kernels,
+                             scale=self._head_scale).float()
         return scatter_vocab(rows, self.head_ids, self.target.config.vocab_size)
+
+    def quantize_weights(self, kind: str) -> RingDrafter:
+        """Serve with `kind` weights: "model" leaves them as they are; "int8" rounds every projection of the own
+        layers, and the subset head's rows where there is one, to weight-only int8 with one scale per output row
+        (models/quantize.py). What a slot step reads from them halves; F, P and the norms stay in the model's
+        dtype. Proposals change (tau is measured per kind), never what decoding commits. Call it after use_head,
+        once, on a drafter that will not be trained further."""
+        if check_drafter_weights(kind) == "model":
+            return self
+        if self.weights != "model":
+            raise ConfigError(f"this ring drafter is already {self.weights}")
+        for layer in self.layers:
+            quantize_linears(layer)
+        if self._head_rows is not None:
+            self._head_rows, self._head_scale = quantize_rows(self._head_rows)
+        self.weights = kind
+        return self
 
     # ---- pieces both paths use ---------------------------------------------------------------------------
     @property
@@ -190,8 +214,7 @@ class RingDrafter(nn.Module):
         Hq, Hkv, D = att.num_heads, att.num_kv_heads, att.head_dim
         if self._fused(x):  # one fused RMSNorm and the skinny-M GEMM
             kernels, norm = self.target.kernels, layer.attention_norm
-            qkv = skinny_linear(add_rms_norm(x, None, norm.weight, norm.eps, pdl=kernels.pdl)[0], att.wqkv.weight,
-                                att.wqkv.bias, kernels=kernels)
+            qkv = project(att.wqkv, add_rms_norm(x, None, norm.weight, norm.eps, pdl=kernels.pdl)[0], kernels)
         else:
             qkv = att.wqkv(layer.attention_norm(x))
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
@@ -216,7 +239,7 @@ class RingDrafter(nn.Module):
     def _finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         if self._fused(x):  # the target's fused path: skinny-M GEMMs, the residual add folded into the norm
             kernels, norm = self.target.kernels, layer.ffn_norm
-            normed, x = add_rms_norm(x, skinny_linear(attn, layer.attention.wo.weight, None, kernels=kernels),
+            normed, x = add_rms_norm(x, project(layer.attention.wo, attn, kernels),
                                      norm.weight, norm.eps, pdl=kernels.pdl)
             return x + layer.feed_forward.forward_fused(normed, self.target.split_k_workspace(x.device), kernels)
         x = x + layer.attention.wo(attn)
@@ -391,6 +414,8 @@ class RingDrafter(nn.Module):
     def save(self, directory: str | Path, record: dict | None = None) -> None:
         """Write config.json and model.safetensors (the drafter's own weights only, bf16), and HEAD_IDS_FILE when
         it proposes from a subset head."""
+        if self.weights != "model":
+            raise ConfigError(f"a {self.weights} ring drafter is for serving; save the drafter it was quantized from")
         save_drafter(self, directory, self.config.to_json(), record)
         if self.head_ids is not None:
             save_head_ids(directory, self.head_ids)
@@ -404,12 +429,15 @@ def save_head_ids(directory: str | Path, ids: torch.Tensor) -> None:
               str(Path(directory) / HEAD_IDS_FILE), metadata={"format": "pt"})
 
 
-def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head: bool = True) -> RingDrafter:
+def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head: bool = True,
+                      weights: str = "model") -> RingDrafter:
     """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one), for
     `target` (its config checked against the target before any weight is read), in the target's dtype and on its
     device; proposing from the subset head of its HEAD_IDS_FILE where it has one and `subset_head` is on, else from
-    the whole vocabulary."""
+    the whole vocabulary; its layers and head quantized to `weights` (RingDrafter.quantize_weights)."""
     from safetensors.torch import load_file
+
+    check_drafter_weights(weights)
 
     directory = _PACKAGED if spec in (None, DEFAULT_RING) else Path(spec)
     path = directory / "config.json"
@@ -420,14 +448,14 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
                           "train-ring-drafter`")
     config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
     config.check_target(target.config)
-    weights = directory / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} is missing; the ring drafter's checkpoint is incomplete")
+    weights_file = directory / "model.safetensors"
+    if not weights_file.is_file():
+        raise ConfigError(f"{weights_file} is missing; the ring drafter's checkpoint is incomplete")
     model = RingDrafter(config, target)
-    state = load_file(str(weights))
+    state = load_file(str(weights_file))
     missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
     if missing or unexpected:
-        raise ConfigError(f"{weights} does not match its config (missing {sorted(missing)[:3]}, unexpected "
+        raise ConfigError(f"{weights_file} does not match its config (missing {sorted(missing)[:3]}, unexpected "
                           f"{sorted(unexpected)[:3]})")
     model.load_state_dict(state)
     model = model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
@@ -437,7 +465,7 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
         if ids is None:
             raise ConfigError(f"{head} holds no 'head_ids' tensor; delete it to propose from the whole vocabulary")
         model.use_head(ids)
-    return model
+    return model.quantize_weights(weights)
 
 
 def random_ring_drafter(target: Transformer, config: RingDrafterConfig, seed: int = 0) -> RingDrafter:
