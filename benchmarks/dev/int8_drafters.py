@@ -1,12 +1,14 @@
 """What weight-only int8 does to the drafters' proposals, teacher-forced (CPU, a few minutes).
 
 Along test-split windows of `--context` tokens, the packaged ring drafter's slots at every `--stride`-th anchor
-(from W on, where the ring holds W rows) and the packaged AR draft's next-token predictions at every position are computed twice:
-with the weights as packaged and with `quantize_weights("int8")` / `quantize_draft(.., "int8")`. Per slot (the AR
-draft: pooled) it reports
+(from W on, where the ring holds W rows) and the packaged AR draft's next-token predictions at every position are
+computed twice: with the weights as packaged and with `quantize_weights("int8")` / `quantize_draft(.., "int8")`.
+Per slot (the AR draft: pooled) it reports
 - top-1 agreement with the target's argmax, each way (a greedy round accepts slot g only if slots 0..g all agree),
   and the greedy tau that the agreements give at Γ = 7 (ring) and Γ = 3 (AR: 1 + a + a^2 + a^3 from its pooled
   agreement a, as if positions were independent);
+- the same at T = 1 from each slot's acceptance probability under rejection sampling, sum over ids of
+  min(p_target, q_drafter) (teacher-forced: every slot sees the true tokens before it);
 - how often the int8 proposal is the packaged one's (top-1 match), and KL(packaged || int8) over the ids they
   propose from (the ring drafter's subset head; the AR draft's head).
 Lower-variance than tau from rounds, which at T = 1 follow different random paths once a proposal changes.
@@ -35,13 +37,17 @@ from trtllm_dustin.training.longspark import target_features  # noqa: E402
 
 
 def compare(base: torch.Tensor, int8: torch.Tensor, teacher: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Logits [..., V] of the packaged drafter, the int8 one and the target -> per-entry agreements and KL."""
+    """Logits [..., V] of the packaged drafter, the int8 one and the target -> per entry: greedy agreement with the
+    target each way, the T = 1 acceptance probability each way (sum over ids of min(p_target, q_drafter): what
+    rejection sampling accepts a draft with), top-1 match and KL between the two drafters."""
     finite = torch.isfinite(base)
     lb = F.log_softmax(base.masked_fill(~finite, -1e30), -1)
     lq = F.log_softmax(int8.masked_fill(~finite, -1e30), -1)
     kl = (lb.exp() * (lb - lq)).masked_fill(~finite, 0).sum(-1)
+    p = F.softmax(teacher.float(), -1)
     top = teacher.argmax(-1)
     return {"agree_model": (base.argmax(-1) == top).float(), "agree_int8": (int8.argmax(-1) == top).float(),
+            "accept_t1_model": torch.minimum(p, lb.exp()).sum(-1), "accept_t1_int8": torch.minimum(p, lq.exp()).sum(-1),
             "same": (base.argmax(-1) == int8.argmax(-1)).float(), "kl": kl}
 
 
@@ -65,8 +71,8 @@ def main() -> None:
                                        max_positions=args.context + 16, share_with=model).model.eval(), "int8")
     read, G, W = ring.config.read_layers, ring.config.block, ring.config.window
     if args.context < W + G + args.stride:
-        raise SystemExit(f"--context {args.context}: give at least {W + G + args.stride} tokens (a full ring of W = {W}, "
-                         "a block and one stride)")
+        raise SystemExit(f"--context {args.context}: give at least {W + G + args.stride} tokens (a full ring of "
+                         f"W = {W}, a block and one stride)")
     documents = load_documents(args.prompts, target.tokenizer)
     ring_parts, ar_parts, counted = [], [], []
     t0 = time.perf_counter()
@@ -86,10 +92,10 @@ def main() -> None:
                 ar_parts.append(compare(draft.full_vocab(draft.forward_train(tokens).float())[0, :-1],
                                         draft8.full_vocab(draft8.forward_train(tokens).float())[0, :-1], final))
                 counted.append(f"{family}/{doc_id}")
-                print(f"{family:7s} {doc_id}: ring slot agreement {float(ring_parts[-1]['agree_model'].mean()):.3f} "
-                      f"-> int8 {float(ring_parts[-1]['agree_int8'].mean()):.3f}; AR "
-                      f"{float(ar_parts[-1]['agree_model'].mean()):.3f} -> {float(ar_parts[-1]['agree_int8'].mean()):.3f}"
-                      f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+                ring_now, ar_now = ring_parts[-1], ar_parts[-1]
+                print(f"{family:7s} {doc_id}: ring slot agreement {float(ring_now['agree_model'].mean()):.3f} -> int8 "
+                      f"{float(ring_now['agree_int8'].mean()):.3f}; AR {float(ar_now['agree_model'].mean()):.3f} -> "
+                      f"{float(ar_now['agree_int8'].mean()):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     ring_all = {k: torch.cat([p[k] for p in ring_parts]) for k in ring_parts[0]}  # [N, G]
     ar_all = {k: torch.cat([p[k] for p in ar_parts]) for k in ar_parts[0]}  # [N]
 
@@ -105,14 +111,19 @@ def main() -> None:
                  else len(ring.head_ids),
                  "per_slot": {k: [round(float(x), 4) for x in v.mean(0)] for k, v in ring_all.items()},
                  "greedy_tau_gamma7_teacher_forced": {"model": ring_tau(ring_all["agree_model"]),
-                                                      "int8": ring_tau(ring_all["agree_int8"])}},
+                                                      "int8": ring_tau(ring_all["agree_int8"])},
+                 "t1_tau_gamma7_teacher_forced": {"model": ring_tau(ring_all["accept_t1_model"]),
+                                                  "int8": ring_tau(ring_all["accept_t1_int8"])}},
         "ar_draft": {"positions": int(ar_all["same"].shape[0]),
                      **{k: round(float(v.mean()), 4) for k, v in ar_all.items()},
                      "greedy_tau_gamma3_independent": {"model": ar_tau(float(ar_all["agree_model"].mean())),
-                                                       "int8": ar_tau(float(ar_all["agree_int8"].mean()))}},
+                                                       "int8": ar_tau(float(ar_all["agree_int8"].mean()))},
+                     "t1_tau_gamma3_independent": {"model": ar_tau(float(ar_all["accept_t1_model"].mean())),
+                                                   "int8": ar_tau(float(ar_all["accept_t1_int8"].mean()))}},
     }
     save_json(args.out, result)
-    print(result["ring"]["greedy_tau_gamma7_teacher_forced"], result["ar_draft"])
+    print("ring, greedy:", result["ring"]["greedy_tau_gamma7_teacher_forced"], "T = 1:",
+          result["ring"]["t1_tau_gamma7_teacher_forced"], "\nAR draft:", result["ar_draft"])
 
 
 if __name__ == "__main__":
