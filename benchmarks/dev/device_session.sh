@@ -51,6 +51,9 @@
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
 #                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
+#   int8 STEP...  weight-only int8 drafters: tests (GPU tests), linear (dev/bench_int8_linear.py), ring and default
+#                 (bench_e2e A/B, --ring-weights / --draft-weights model then int8, B = $BATCH, default 16, 32K)
+#                 -> $OUT/int8.tgz; needs no stash (random weights)
 #   tau-ring NAME=FLAGS...
 #                 tau of the packaged drafters, one eval_tau per name side by side (FLAGS: its --methods, --gammas and
 #                 any other options, say "ring7=--methods ring --gammas 7"), T 0 and 1 at 4K and 8K, $DOCS windows per
@@ -79,7 +82,7 @@ variant_a() {  # A's data and flags: the regenerated windows with anchors in the
     a_tokens=orig; echo "no regenerated data: A trains on the original windows"
   fi
 }
-case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|finish S}" in
+case "${1:?usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|int8 STEP...|finish S}" in
 pack)
   mkdir -p .carry/s1 .carry/s2 .carry/s3
   mv .carry/a/w.0 .carry/b/tokens.npy .carry/s1/
@@ -229,6 +232,39 @@ ring-cost)
   python3 benchmarks/bench_longspark_cost.py --methods ring --gamma 7 --batch "${BATCH:-4}" --fused-elementwise off \
     --contexts 8192,131072 --out "$OUT/cost_ring_module.json"
   ;;
+int8)
+  # weight-only int8 drafters (models/quantize.py) on the GPU, STEP by STEP (a call may not fit them all): tests (their
+  # GPU tests), linear (dev/bench_int8_linear.py), ring (bench_e2e dustin-ip-ring at Γ = 7 with --ring-weights model,
+  # then int8) and default (the shipped dustin-ip-sparse-draft at Γ = 3 with --draft-weights model, then int8), at
+  # the Llama shapes, B = $BATCH (default 16: an H200), 32K, the fifth run's stated tau ratios -> $OUT/int8.tgz
+  shift
+  GIT_SHA=$(cat "$S/git_sha" 2>/dev/null || git rev-parse --short HEAD); export GIT_SHA
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null
+  mkdir -p "$L/int8"
+  trap 'tar czf "$OUT/int8.tgz" -C "$L/int8" .' EXIT
+  e2e=(python3 benchmarks/bench_e2e.py --pair llama-8b --budget 2048 --rounds 12 --tau 2.7 --batches "${BATCH:-16}"
+       --contexts 32768)
+  for step in "$@"; do
+    case $step in
+      tests) python3 -m pytest -q -n 0 tests/test_quantize.py tests/test_plugins_skinny_linear.py \
+               tests/test_ring_drafter.py -k "int8 or quantiz or project or fused" > "$L/int8/gpu_tests.txt" 2>&1 \
+               || echo "tests: exit $?" ;;
+      linear) python3 benchmarks/dev/bench_int8_linear.py --out "$L/int8/linear_int8.json" > "$L/int8/linear.log" 2>&1 \
+                || echo "linear: exit $?" ;;
+      ring) for w in model int8; do
+              "${e2e[@]}" --gamma 7 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring \
+                --ring-weights "$w" --out "$L/int8/e2e_ring_$w.json" > "$L/int8/e2e_ring_$w.log" 2>&1 || echo "ring $w: exit $?"
+            done ;;
+      default) for w in model int8; do
+                 "${e2e[@]}" --gamma 3 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft \
+                   --draft-weights "$w" --out "$L/int8/e2e_default_$w.json" > "$L/int8/e2e_default_$w.log" 2>&1 \
+                   || echo "default $w: exit $?"
+               done ;;
+      *) echo "int8: unknown step $step (tests, linear, ring, default)" >&2; exit 2 ;;
+    esac
+    tail -n 4 "$L"/int8/*.log "$L"/int8/*.txt 2>/dev/null | tail -n 12 || true  # some steps write no .log
+  done
+  ;;
 tau-ring)
   shift
   restore
@@ -276,7 +312,7 @@ finish)
   tail -15 "$L/finish.log"
   ;;
 *)
-  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|finish S" >&2
+  echo "usage: device_session.sh pack|stash DIR|work [C...]|variants S NAME=FLAGS...|tau NAME... [-- C...]|tau-ring NAME=FLAGS...|probe S NAME=F...|ring TOTAL STOP|rings TOTAL STOP NAME=FLAGS...|ring-cost|int8 STEP...|finish S" >&2
   exit 2
   ;;
 esac

@@ -40,6 +40,8 @@ step cli-prepare-tok1k "$A trtllm-dustin prepare-distill-data --out tok1k.npy --
 step cli-regenerate-data "$A trtllm-dustin regenerate-data --tokens tok1k.npy --out regen1k.npy --new 64 --batch-size 2 --device cpu"
 step cli-train-ring-drafter "$A trtllm-dustin train-ring-drafter --tokens tok1k.npy --out ring1k --seq-len 1024 --max-seconds 20 --device cpu"
 step cli-eval-tau-ring "$A python benchmarks/eval_tau.py --prompts test_prompts.npz --methods classic ring --ring ring1k/checkpoint --contexts 512 --docs 1 --new-tokens 16 --out tau_ring_cpu.json"
+step cli-eval-tau-int8 "$A python benchmarks/eval_tau.py --methods classic ring --ring-weights int8 --draft-weights int8 --gammas 7 --contexts 512 --docs 1 --new-tokens 16 --device cpu --out tau_int8_cpu.json"
+step cli-int8-drafters "$A python benchmarks/dev/int8_drafters.py --docs 1 --out int8_slots.json"
 step cli-eval-tau-fortunes "$A python benchmarks/eval_tau.py --families fortunes --methods ring --gammas 7 --contexts 512 --docs 1 --new-tokens 16 --device cpu --out tau_ring_fortunes_cpu.json"
 step cli-ring-probe "$A python benchmarks/dev/ring_drafter_probe.py --tokens tok1k.npy --prompts test_prompts.npz --train-dir probe1k --device cpu --seq-len 256 --window 64 --prompt-len 96 --gen 16 --docs books/2 code/1 --seconds 20"
 
