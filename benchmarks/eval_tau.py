@@ -162,6 +162,8 @@ def main() -> None:
                         "windows (dustin-* need --dustin-config; default: classic)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                         help="0 = greedy; > 0 samples (rejection sampling, top-p 1), seeded (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed at T > 0: runs that differ only in it "
+                        "show how far the rows move with the random path (default: 0)")
     parser.add_argument("--dustin-config", default=None, help="DustinConfig JSON for dustin methods")
     parser.add_argument("--budgets", type=int, nargs="+", default=None,
                         help="Dustin's k: every sparse method runs at each (m carried over as the same share of the "
@@ -224,7 +226,8 @@ def main() -> None:
                 "ring_head_ids": None if ring is None or ring.head_ids is None else len(ring.head_ids),
                 "ring_weights": args.ring_weights, "draft_weights": args.draft_weights,
                 "new_tokens": args.new_tokens,
-                "methods": args.methods, "temperatures": args.temperatures, "batch_size": args.batch_size,
+                "methods": args.methods, "temperatures": args.temperatures, "seed": args.seed,
+                "batch_size": args.batch_size,
                 "draft_kv_cache": args.draft_kv_cache, "dustin_config": dustin.to_json() if dustin else None,
                 "split": "test", "unseen_families": [f for f in args.families if f in UNSEEN],
                 "complete": complete, "rows": rows}
@@ -240,7 +243,7 @@ def main() -> None:
                     for k in (budgets if METHODS[m].sparse else [None])]
             for method, gamma, temperature, budget in runs:
                 hist, draft_ms, rounds_run = [0] * (gamma + 1), 0.0, 0
-                sampling = SamplingParams(temperature, 1.0, seed=0)
+                sampling = SamplingParams(temperature, 1.0, seed=args.seed)
                 t0 = time.perf_counter()
                 for i in range(0, len(prompts), args.batch_size):
                     batch = [p for _, p in prompts[i: i + args.batch_size]]

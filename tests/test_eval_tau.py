@@ -96,3 +96,21 @@ def test_every_save_records_the_commit_and_date_the_run_started_from(monkeypatch
     record = json.loads(out.read_text())
     assert record["complete"] and len(record["rows"]) == 2  # saved after each of the two rows and at the end
     assert calls == [1] and record["git_sha"] == "sha1" and record["date"] == "date1"
+
+
+def test_the_sampling_seed_reaches_every_sampled_row(monkeypatch, tmp_path) -> None:
+    """--seed is the seed given to every row's sampling (it decides the draws of the T > 0 rows), and the JSON
+    records it."""
+    import json
+
+    seen = []
+    real = eval_tau.SamplingParams
+    monkeypatch.setattr(eval_tau, "SamplingParams", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
+    out = tmp_path / "tau.json"
+    monkeypatch.setattr(sys, "argv", ["eval_tau.py", "--methods", "classic", "--contexts", "512", "--docs", "1",
+                                      "--new-tokens", "4", "--families", "books", "--temperatures", "0", "1",
+                                      "--seed", "7", "--device", "cpu", "--out", str(out)])
+    eval_tau.main()
+    assert [(a[0], k["seed"]) for a, k in seen] == [(0.0, 7), (1.0, 7)]
+    record = json.loads(out.read_text())
+    assert record["seed"] == 7 and len(record["rows"]) == 2
