@@ -481,10 +481,10 @@ def main() -> None:
     if args.jobs > 1 and len(args.contexts) * len(args.tasks) > 1:
         run_units_in_parallel(sys.argv[1:], work_units(args.tasks, args.contexts), args.out, args.jobs)
         return
-    started = environment()  # the command, commit and date the run started from (not the one checked out at its end)
     ring = [m for m in args.methods if METHODS[m].needs_ring]
     if ring:  # its ring is filled from the prefill's hidden states, which the shared prefill here does not keep
         parser.error(f"--methods {' '.join(ring)}: the ring drafter is measured by eval_tau.py --ring, not here")
+    started = environment()  # the command, commit and date the run started from (not the one checked out at its end)
     if "classic" in args.methods:
         args.methods = ["classic"] + [m for m in args.methods if m != "classic"]
     elif "books" in args.tasks:

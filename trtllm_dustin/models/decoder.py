@@ -36,13 +36,6 @@ from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear
 __all__ = ["QueryCapture", "RMSNorm", "Transformer"]
 
 
-def _skinny(layer: nn.Module, kernels: KernelConfig, x: torch.Tensor) -> torch.Tensor:
-    """A projection on the fused path: decode-sized inputs take the skinny-M Triton GEMM (plugins/skinny_linear.py)
-    where `kernels`' tactic table has their shape (an int8 drafter weight: wherever Triton runs), launched with PDL
-    where kernels allow it."""
-    return project(layer, x, kernels)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -95,14 +88,14 @@ class Attention(nn.Module):
                       capture: QueryCapture | None, kernels: KernelConfig) -> torch.Tensor:
         """`forward` with the rotary embedding and the cache write in one kernel."""
         k_cache, v_cache = cache.layer(layer_index)
-        q = rope_qkv_to_cache(_skinny(self.wqkv, kernels, x), cos, sin, k_cache, v_cache, positions, self.num_heads,
+        q = rope_qkv_to_cache(project(self.wqkv, x, kernels), cos, sin, k_cache, v_cache, positions, self.num_heads,
                               self.num_kv_heads, self.head_dim, pdl=kernels.pdl)  # [B, T, H_q, D]
         return self._attend_project(q, layer_index, cache, meta, backend, capture,
-                                    partial(_skinny, self.wo, kernels))
+                                    partial(project, self.wo, kernels=kernels))
 
     def _attend_project(self, q: torch.Tensor, layer_index: int, cache: KVCache, meta: AttentionMetadata,
                         backend: AttentionBackend, capture: QueryCapture | None,
-                        project: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                        output: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Both forwards' tail, once this step's K/V are in the cache: capture q, attend, output projection."""
         B, T, Hq, D = q.shape
         if capture is not None and layer_index in capture.queries:
@@ -112,7 +105,7 @@ class Attention(nn.Module):
         if meta.in_pass is not None and layer_index in meta.in_pass.selection_layers:
             meta.in_pass.choose(layer_index, q, k_cache, meta.cache_seqlens)  # the set this and later layers read
         out = backend.attend(q, k_cache, v_cache, meta.for_layer(layer_index))  # [B, T, H_q, D]
-        return project(out.reshape(B, T, Hq * D))
+        return output(out.reshape(B, T, Hq * D))
 
 
 class FeedForward(nn.Module):
@@ -128,7 +121,7 @@ class FeedForward(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, workspace: SplitKWorkspace, kernels: KernelConfig) -> torch.Tensor:
         # down (long K, few output columns) is where tuned launches split K; the workspace holds their partials
-        activation = silu_mul(_skinny(self.w_gate_up, kernels, x), pdl=kernels.pdl)
+        activation = silu_mul(project(self.w_gate_up, x, kernels), pdl=kernels.pdl)
         return project(self.w_down, activation, kernels, workspace)
 
 

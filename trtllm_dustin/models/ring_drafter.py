@@ -31,7 +31,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer, scatter_vocab
-from trtllm_dustin.models.quantize import check_drafter_weights, project, quantize_linears, quantize_rows
+from trtllm_dustin.models.quantize import Int8Linear, check_drafter_weights, project, quantize_linears, quantize_rows
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.plugins.fused_ops import add_rms_norm
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
@@ -134,7 +134,6 @@ class RingDrafter(nn.Module):
         self.head_ids: torch.Tensor | None = None
         self._head_rows: torch.Tensor | None = None
         self._head_scale: torch.Tensor | None = None  # per-row scales of int8 head rows (quantize_weights)
-        self.weights = "model"  # what quantize_weights made of the layers and the subset head
 
     def use_head(self, ids: torch.Tensor | None) -> RingDrafter:
         """Propose only tokens of the vocabulary ids `ids` (a subset head: the target's output rows at them, copied
@@ -175,6 +174,11 @@ class RingDrafter(nn.Module):
                              scale=self._head_scale).float()
         return scatter_vocab(rows, self.head_ids, self.target.config.vocab_size)
 
+    @property
+    def weights(self) -> str:
+        """What quantize_weights made of the layers and the subset head: "int8" or "model"."""
+        return "int8" if isinstance(self.layers[0].attention.wqkv, Int8Linear) else "model"
+
     def quantize_weights(self, kind: str) -> RingDrafter:
         """Serve with `kind` weights: "model" leaves them as they are; "int8" rounds every projection of the own
         layers, and the subset head's rows where there is one, to weight-only int8 with one scale per output row
@@ -189,7 +193,6 @@ class RingDrafter(nn.Module):
             quantize_linears(layer)
         if self._head_rows is not None:
             self._head_rows, self._head_scale = quantize_rows(self._head_rows)
-        self.weights = kind
         return self
 
     # ---- pieces both paths use ---------------------------------------------------------------------------
