@@ -16,7 +16,8 @@ each file's sha256 in the manifest. A build is deterministic (the same inputs gi
     <engine>/longspark/              a LongSpark drafter (config.json, model.safetensors), when built with one
     <engine>/tokenizer/              the target's tokenizer (save_pretrained), when it has one
     <engine>/dustin.json             the Dustin config, when built with one
-    <engine>/tactics.json            the skinny-GEMM tactic table: tuned on this GPU (--tune) or the packaged one
+    <engine>/tactics.json            the skinny-GEMM tactic table of bf16 weights: tuned on this GPU (--tune) or
+                                     the packaged one (int8 weights take KernelConfig's int8 table: not recorded)
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ switches, `KernelConfig.from_json(...)` for a saved one) and hand it to the deco
 attention backend (`get_backend(name, kernels)`) and the round ops; nothing below reads the environment. A CUDA
 graph therefore replays exactly what the config said when it was captured.
 
-  TRTLLM_DUSTIN_PDL                 pdl                "1" / "0"
-  TRTLLM_DUSTIN_FUSED_ELEMENTWISE   fused_elementwise  "1" / "0" / unset: True / False / None
-  TRTLLM_DUSTIN_SKINNY_LINEAR       skinny_linear      "1" / "0"
-  TRTLLM_DUSTIN_SKINNY_PDL          skinny_pdl         "1" / "0"
-  TRTLLM_DUSTIN_SKINNY_TIES         skinny_ties        "1" / "0"
-  TRTLLM_DUSTIN_ROUND_KERNELS       round_kernels      "1" / "0"
-  TRTLLM_DUSTIN_LINEAR_TACTICS      linear_tactics     path of a tactic table file (linear_tactics.py)
+  TRTLLM_DUSTIN_PDL                  pdl                  "1" / "0"
+  TRTLLM_DUSTIN_FUSED_ELEMENTWISE    fused_elementwise    "1" / "0" / unset: True / False / None
+  TRTLLM_DUSTIN_SKINNY_LINEAR        skinny_linear        "1" / "0"
+  TRTLLM_DUSTIN_SKINNY_PDL           skinny_pdl           "1" / "0"
+  TRTLLM_DUSTIN_SKINNY_TIES          skinny_ties          "1" / "0"
+  TRTLLM_DUSTIN_ROUND_KERNELS        round_kernels        "1" / "0"
+  TRTLLM_DUSTIN_LINEAR_TACTICS       linear_tactics       path of a bf16 tactic table file (linear_tactics.py)
+  TRTLLM_DUSTIN_INT8_LINEAR_TACTICS  int8_linear_tactics  path of an int8 tactic table file (int8 weights' shapes)
 Unset or empty leaves the default.
 """
 
@@ -22,7 +23,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from .linear_tactics import PACKAGED_LINEAR_TACTICS, LinearTactics
+from .linear_tactics import PACKAGED_INT8_LINEAR_TACTICS, PACKAGED_LINEAR_TACTICS, LinearTactics
 
 __all__ = ["ENV_SWITCHES", "KERNEL_CONFIG_SCHEMA_VERSION", "KernelConfig"]
 
@@ -36,8 +37,16 @@ ENV_SWITCHES = {
     "TRTLLM_DUSTIN_SKINNY_TIES": "skinny_ties",
     "TRTLLM_DUSTIN_ROUND_KERNELS": "round_kernels",
     "TRTLLM_DUSTIN_LINEAR_TACTICS": "linear_tactics",
+    "TRTLLM_DUSTIN_INT8_LINEAR_TACTICS": "int8_linear_tactics",
 }
 _ON_OFF = {"1": True, "0": False}
+# tactic table path field -> (the field it is loaded into, the weights its table must be of, the packaged table)
+_TABLES = {
+    "linear_tactics": ("tactics", "bf16", PACKAGED_LINEAR_TACTICS),
+    "int8_linear_tactics": ("int8_tactics", "int8", PACKAGED_INT8_LINEAR_TACTICS),
+}
+_TABLE_OF = {weights: name for name, (_, weights, _) in _TABLES.items()}  # weights -> the path field of its table
+_SWITCH_OF = {name: variable for variable, name in ENV_SWITCHES.items()}  # field -> its env switch
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,16 @@ class KernelConfig:
     skinny_ties: bool = True
     # The row argmax and the round commit as Triton kernels (else their torch references).
     round_kernels: bool = True
-    # Path of the skinny-GEMM tactic table; None: the packaged H200 table (tactics/skinny_linear_h200.json).
+    # Path of the skinny-GEMM tactic table of bf16 / fp16 weights; None: the packaged H200 table
+    # (tactics/skinny_linear_h200.json).
     linear_tactics: str | None = None
-    # The table at linear_tactics, loaded once here (not part of equality, hashing or the JSON).
+    # Path of the skinny-GEMM tactic table of weight-only int8 weights ("weights": "int8"); None: the packaged int8
+    # table (tactics/skinny_linear_int8_h200.json).
+    int8_linear_tactics: str | None = None
+    # The tables at linear_tactics and int8_linear_tactics, loaded once here (not part of equality, hashing or the
+    # JSON).
     tactics: LinearTactics = field(init=False, repr=False, compare=False)
+    int8_tactics: LinearTactics = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("pdl", "skinny_linear", "skinny_pdl", "skinny_ties", "round_kernels"):
@@ -67,11 +82,19 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={value!r} must be True or False")
         if self.fused_elementwise is not None and not isinstance(self.fused_elementwise, bool):
             raise ValueError(f"KernelConfig.fused_elementwise={self.fused_elementwise!r} must be True, False or None")
-        if self.linear_tactics is not None and (not isinstance(self.linear_tactics, str) or not self.linear_tactics):
-            raise ValueError(f"KernelConfig.linear_tactics={self.linear_tactics!r} must be a file path or None "
-                             "(the packaged table)")
-        path = PACKAGED_LINEAR_TACTICS if self.linear_tactics is None else self.linear_tactics
-        object.__setattr__(self, "tactics", LinearTactics.load(path))
+        for name in _TABLES:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"KernelConfig.{name}={value!r} must be a file path or None (the packaged table)")
+        for name, (loaded, weights, packaged) in _TABLES.items():
+            path = packaged if getattr(self, name) is None else getattr(self, name)
+            tactics = LinearTactics.load(path)
+            if tactics.weights != weights:
+                other = _TABLE_OF[tactics.weights]
+                raise ValueError(f"KernelConfig.{name}={str(path)!r} is a table of {tactics.weights} weights "
+                                 f"(\"weights\": \"{tactics.weights}\"); {name} ({_SWITCH_OF[name]}) takes one of "
+                                 f"{weights} weights: pass this file as {other} ({_SWITCH_OF[other]})")
+            object.__setattr__(self, loaded, tactics)
 
     @property
     def skinny_launch_pdl(self) -> bool:
@@ -87,7 +110,7 @@ class KernelConfig:
             raw = environ.get(variable, "")
             if raw == "":
                 continue
-            if name == "linear_tactics":
+            if name in _TABLES:  # a path, taken as it is
                 values[name] = raw
             elif raw in _ON_OFF:
                 values[name] = _ON_OFF[raw]

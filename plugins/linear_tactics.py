@@ -4,6 +4,12 @@ A table is data written by a sweep (`benchmarks/dev/bench_linear.py`; later one 
 `KernelConfig`. The packaged one, `tactics/skinny_linear_h200.json`, holds the H200 sweeps of the bench_e2e pairs.
 Its rule for a shape that is not listed: F.linear (cuBLAS), because the kernel was only kept where a sweep measured
 it at least 2 % faster (or tied, for PDL launches).
+
+A table says which weights its entries were measured for (top-level "weights"; absent: "bf16", bf16 / fp16 weights).
+An int8 table (weight-only int8, written by `benchmarks/dev/bench_int8_linear.py --table-out`; packaged:
+`tactics/skinny_linear_int8_h200.json`, its "gpu" says where it was measured) also has the 128-row bucket (an int8
+call takes the kernel for up to 128 rows), and every entry has a configuration and no tie: an int8 weight has no
+cuBLAS path. A shape it does not list takes plugins/skinny_linear.py's fallback (`pick_config`).
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LINEAR_TACTICS_SCHEMA_VERSION", "PACKAGED_LINEAR_TACTICS", "LinearConfig", "LinearTactic",
-           "LinearTactics", "row_block"]
+__all__ = ["LINEAR_TACTICS_SCHEMA_VERSION", "PACKAGED_INT8_LINEAR_TACTICS", "PACKAGED_LINEAR_TACTICS", "WEIGHTS",
+           "LinearConfig", "LinearTactic", "LinearTactics", "row_block"]
 
 LINEAR_TACTICS_SCHEMA_VERSION = 1
 PACKAGED_LINEAR_TACTICS = Path(__file__).resolve().parent / "tactics" / "skinny_linear_h200.json"
-_ROW_BUCKETS = (16, 32, 64)  # the kernel's BLOCK_M values: calls of 1-64 rows
+PACKAGED_INT8_LINEAR_TACTICS = Path(__file__).resolve().parent / "tactics" / "skinny_linear_int8_h200.json"
+WEIGHTS = ("bf16", "int8")  # what a table's entries were measured for: bf16 / fp16 weights, or weight-only int8
+# the kernel's BLOCK_M values per table: calls of 1-64 rows; an int8 weight's of 1-128 (2 * skinny_linear.MAX_ROWS)
+_ROW_BUCKETS = {"bf16": (16, 32, 64), "int8": (16, 32, 64, 128)}
 _ENTRY_FIELDS = {"rows", "n", "k", "config", "tie", "pair", "batch", "role", "measured_rows", "cublas_us",
                  "kernel_us"}
 _REQUIRED_FIELDS = {"rows", "n", "k", "config", "tie"}
@@ -71,14 +80,19 @@ class LinearTactic:
 
 @dataclass(frozen=True)
 class LinearTactics:
-    """A loaded tactic table: `lookup(m, n, k)` gives the entry of a call's shape, or None (not measured: F.linear)."""
+    """A loaded tactic table: `lookup(m, n, k)` gives the entry of a call's shape, or None (not measured: F.linear for
+    bf16 weights, skinny_linear.pick_config's fallback for int8 ones)."""
 
     source: str  # the file it was read from
     gpu: str  # the GPU it was measured on
     entries: tuple[LinearTactic, ...]
+    weights: str = "bf16"  # what the entries were measured for: "bf16" (bf16 / fp16 weights) or "int8"
     by_shape: dict[tuple[int, int, int], LinearTactic] = field(init=False, repr=False, compare=False)  # the index
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"linear tactic table {self.source}: weights={self.weights!r} is not one of "
+                             f"{', '.join(repr(w) for w in WEIGHTS)}")
         object.__setattr__(self, "by_shape", {(e.rows, e.n, e.k): e for e in self.entries})
 
     def __len__(self) -> int:
@@ -94,8 +108,9 @@ class LinearTactics:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ValueError(f"linear tactic table {path} does not exist; pass an existing file "
-                             f"(the packaged one is {PACKAGED_LINEAR_TACTICS})") from None
+            raise ValueError(f"linear tactic table {path} does not exist; pass an existing file (the packaged ones "
+                             f"are {PACKAGED_LINEAR_TACTICS}, bf16, and {PACKAGED_INT8_LINEAR_TACTICS}, "
+                             "int8)") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"linear tactic table {path} is not valid JSON: {error}") from None
         return cls.from_dict(data, str(path))
@@ -110,26 +125,33 @@ class LinearTactics:
                              f"version {LINEAR_TACTICS_SCHEMA_VERSION}: re-run the sweep that wrote it")
         if not isinstance(data.get("gpu"), str) or not isinstance(data.get("entries"), list):
             raise ValueError(f"linear tactic table {source}: needs \"gpu\" (a string) and \"entries\" (a list)")
+        weights = data.get("weights", "bf16")
+        if weights not in WEIGHTS:
+            raise ValueError(f"linear tactic table {source}: weights={weights!r} is not one of "
+                             f"{', '.join(repr(w) for w in WEIGHTS)} (what its entries were measured for; absent: "
+                             "'bf16')")
         entries, seen = [], {}
         for i, raw in enumerate(data["entries"]):
-            entry = _parse_entry(raw, f"linear tactic table {source}, entry {i} ({json.dumps(raw)[:120]})")
+            entry = _parse_entry(raw, f"linear tactic table {source}, entry {i} ({json.dumps(raw)[:120]})", weights)
             key = (entry.rows, entry.n, entry.k)
             if key in seen:
                 raise ValueError(f"linear tactic table {source}, entry {i}: shape {key} repeats entry {seen[key]}")
             seen[key] = i
             entries.append(entry)
-        return cls(source=source, gpu=data["gpu"], entries=tuple(entries))
+        return cls(source=source, gpu=data["gpu"], entries=tuple(entries), weights=weights)
 
 
-def _parse_entry(raw: object, where: str) -> LinearTactic:
+def _parse_entry(raw: object, where: str, weights: str) -> LinearTactic:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: an entry is a JSON object")
     unknown, missing = set(raw) - _ENTRY_FIELDS, _REQUIRED_FIELDS - set(raw)
     if unknown or missing:
         raise ValueError(f"{where}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}; "
                          f"an entry has {sorted(_ENTRY_FIELDS)}")
-    if raw["rows"] not in _ROW_BUCKETS:
-        raise ValueError(f"{where}: rows={raw['rows']!r} must be a row bucket, one of {_ROW_BUCKETS}")
+    buckets = _ROW_BUCKETS[weights]
+    if raw["rows"] not in buckets:
+        raise ValueError(f"{where}: rows={raw['rows']!r} must be a row bucket, one of {buckets} (a table of {weights} "
+                         "weights)")
     for name in ("n", "k"):
         if not isinstance(raw[name], int) or isinstance(raw[name], bool) or raw[name] < 1:
             raise ValueError(f"{where}: {name}={raw[name]!r} must be an int >= 1")
@@ -145,4 +167,7 @@ def _parse_entry(raw: object, where: str) -> LinearTactic:
             raise ValueError(f"{where}: {error}") from None
     elif raw["tie"]:
         raise ValueError(f"{where}: tie=true needs a config (a tie says which kernel configuration tied)")
+    if weights == "int8" and (config is None or raw["tie"]):
+        raise ValueError(f"{where}: an int8 table's entry needs a config and tie=false (an int8 weight has no cuBLAS "
+                         "path to fall back to or tie with): write the sweep's fastest configuration, tie false")
     return LinearTactic(config=config, **{name: value for name, value in raw.items() if name != "config"})

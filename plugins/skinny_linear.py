@@ -22,8 +22,10 @@ launch is replayable in a CUDA graph with the same buffers).
 Weight-only int8 (a drafter's layers, `trtllm_dustin/models/quantize.py`): W int8 [N, K] with one fp32 scale per
 output row, y = (x @ W^T) * scale (+ b). The kernel streams half the bytes of a bf16 weight: each tile is widened to
 x's dtype after its load (exact: |q| <= 127), and the scale multiplies the fp32 accumulator once, in the epilogue.
-Such a call runs the kernel wherever Triton runs and it has at most 2 * MAX_ROWS rows (the table's configuration,
-else QUANTIZED_CONFIG), since cuBLAS would need the weight widened to bf16 first.
+Such a call runs the kernel wherever Triton runs and it has at most 2 * MAX_ROWS rows, since cuBLAS would need the
+weight widened to bf16 first. Its configuration comes from the int8 tactic table of `KernelConfig` (packaged:
+tactics/skinny_linear_int8_h200.json, a sweep of the drafters' int8 calls by benchmarks/dev/bench_int8_linear.py);
+a shape that table does not list takes the bf16 table's configuration, else QUANTIZED_CONFIG.
 
 Launch contract (`skinny_linear_forward`): x [M, K] with unit stride along K, W [N, K] contiguous, bias [N]
 or None, all one dtype (bf16 / fp16 / fp32), or W int8 with scale [N] (any float dtype); y [M, N] in x's dtype;
@@ -49,8 +51,8 @@ __all__ = ["DEFAULT_KERNELS", "MAX_ROWS", "QUANTIZED_CONFIG", "SplitKWorkspace",
 
 MAX_ROWS = 64  # more rows than this (prefill chunks) are a regular GEMM: F.linear
 _DTYPES = (torch.bfloat16, torch.float16)  # what the op runs on the kernel (fp32: F.linear)
-# an int8 weight's shape that the table does not list (the table's sweeps were of bf16 weights): one program per
-# 64 output columns, no split; a starting point for a sweep of int8 weights, which none has measured yet
+# an int8 weight's shape that neither the int8 table nor the bf16 one lists (no sweep measured it): one program per
+# 64 output columns, no split
 QUANTIZED_CONFIG = LinearConfig(block_n=64, block_k=128, split_k=1, swap=True, num_warps=4, num_stages=4)
 
 
@@ -83,20 +85,24 @@ def pick_config(kernels: KernelConfig, x: torch.Tensor, weight: torch.Tensor,
     """The kernel configuration a call takes, or None for F.linear: the tactic table's entry for the shape
     (a shape not in the table runs F.linear), for 1..MAX_ROWS rows in bf16 / fp16 where Triton runs; a split-K
     entry only with a workspace that fits, a tie only on a PDL launch with `kernels.skinny_ties`. An int8 weight
-    takes the kernel for 1..2 * MAX_ROWS rows: the table's entry without its split where no workspace fits, or
-    QUANTIZED_CONFIG where the table has none."""
+    takes the kernel for 1..2 * MAX_ROWS rows: the int8 table's entry (`kernels.int8_tactics`), else the bf16
+    table's, else QUANTIZED_CONFIG; either entry without its split where no workspace fits. A bf16 / fp16 weight
+    never reads the int8 table."""
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
     quantized = weight.dtype == torch.int8
     rows = 2 * MAX_ROWS if quantized else MAX_ROWS
     if not kernels.skinny_linear or not runs_triton(x) or not 0 < M <= rows or x.dtype not in _DTYPES:
         return None
-    tactic = kernels.tactics.lookup(M, N, K) if M <= MAX_ROWS else None
     if quantized:
+        tactic = kernels.int8_tactics.lookup(M, N, K)  # every entry has a config (linear_tactics.py)
+        if tactic is None and M <= MAX_ROWS:
+            tactic = kernels.tactics.lookup(M, N, K)
         config = tactic.config if tactic is not None and tactic.config is not None else QUANTIZED_CONFIG
         if config.split_k > 1 and (workspace is None or not workspace.fits(M, N, config)):
             config = replace(config, split_k=1)
         return config
+    tactic = kernels.tactics.lookup(M, N, K)
     if tactic is None or tactic.config is None:
         return None
     if tactic.config.split_k > 1 and (workspace is None or not workspace.fits(M, N, tactic.config)):
@@ -254,7 +260,7 @@ def _(x, weight, bias, scale, partials, counters, block_n, block_k, split_k, swa
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-DEFAULT_KERNELS = KernelConfig()  # the packaged tactic table, every kernel path on
+DEFAULT_KERNELS = KernelConfig()  # the packaged tactic tables (bf16 and int8), every kernel path on
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

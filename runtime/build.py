@@ -32,7 +32,8 @@ __all__ = ["attention_backend", "build_decoder", "build_runtime", "runtime_kerne
 
 def runtime_kernels(kernels: KernelConfig | None = None, tactics: str | Path | None = None) -> KernelConfig:
     """The kernel configuration a runtime runs with: `kernels` (None: KernelConfig(), the defaults; entry points pass
-    KernelConfig.from_env()) with an engine's own tuned tactic table, when it has one, for the skinny GEMMs."""
+    KernelConfig.from_env()) with an engine's own tuned tactic table, when it has one, for the skinny GEMMs (a table
+    of bf16 weights: `linear_tactics`; int8 weights keep `kernels.int8_linear_tactics`)."""
     kernels = KernelConfig() if kernels is None else kernels
     return kernels if tactics is None else replace(kernels, linear_tactics=str(tactics))
 

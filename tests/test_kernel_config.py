@@ -1,5 +1,6 @@
 """KernelConfig: the one place the TRTLLM_DUSTIN_* switches are read, its JSON form, and the skinny-GEMM tactic table
-it carries (the packaged table holds exactly the H200 sweeps' choices; unlisted shapes run F.linear).
+it carries (the packaged table holds exactly the H200 sweeps' choices; unlisted shapes run F.linear), and the int8
+table beside it (int8 weights' configurations; each field takes only a table of its own weights).
 
 CPU: the skinny kernel runs under TRITON_INTERPRET=1 (tests/conftest.py).
 """
@@ -15,12 +16,21 @@ import torch.nn.functional as F
 from helpers.kernels import DEVICE, needs_kernel, write_tactics
 
 from trtllm_dustin.plugins.kernel_config import ENV_SWITCHES, KernelConfig
-from trtllm_dustin.plugins.linear_tactics import PACKAGED_LINEAR_TACTICS, LinearConfig, LinearTactic, LinearTactics
+from trtllm_dustin.plugins.linear_tactics import (
+    PACKAGED_INT8_LINEAR_TACTICS,
+    PACKAGED_LINEAR_TACTICS,
+    LinearConfig,
+    LinearTactic,
+    LinearTactics,
+)
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_OFF = [name for name in ENV_SWITCHES if name not in ("TRTLLM_DUSTIN_FUSED_ELEMENTWISE",
-                                                         "TRTLLM_DUSTIN_LINEAR_TACTICS")]
+                                                         "TRTLLM_DUSTIN_LINEAR_TACTICS",
+                                                         "TRTLLM_DUSTIN_INT8_LINEAR_TACTICS")]
+# an entry of an int8 table (which has no null configs and no ties)
+INT8_GOOD = {"rows": 16, "n": 40, "k": 96, "config": {"block_n": 16, "block_k": 32}, "tie": False}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -32,7 +42,8 @@ def test_no_switches_set_gives_the_defaults(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     assert KernelConfig.from_env() == KernelConfig.from_env({}) == KernelConfig()
     assert KernelConfig() == KernelConfig(pdl=True, fused_elementwise=None, skinny_linear=True, skinny_pdl=True,
-                                          skinny_ties=True, round_kernels=True, linear_tactics=None)
+                                          skinny_ties=True, round_kernels=True, linear_tactics=None,
+                                          int8_linear_tactics=None)
 
 
 @pytest.mark.parametrize("variable", ON_OFF)
@@ -78,6 +89,19 @@ def test_the_tactics_path_comes_from_the_environment(tmp_path) -> None:
         KernelConfig.from_env({"TRTLLM_DUSTIN_LINEAR_TACTICS": missing})
 
 
+def test_the_int8_tactics_path_comes_from_the_environment(tmp_path) -> None:
+    path = write_tactics(tmp_path / "int8.json", [{**INT8_GOOD, "rows": 128}], weights="int8")
+    config = KernelConfig.from_env({"TRTLLM_DUSTIN_INT8_LINEAR_TACTICS": path})
+    assert config.int8_linear_tactics == path and config.linear_tactics is None
+    assert config.int8_tactics.source == path and config.int8_tactics.weights == "int8"
+    assert config.int8_tactics.lookup(100, 40, 96).config == LinearConfig(block_n=16, block_k=32)
+    assert config.tactics == KernelConfig().tactics  # the bf16 table stays the packaged one
+    assert config == KernelConfig(int8_linear_tactics=path)
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        KernelConfig.from_env({"TRTLLM_DUSTIN_INT8_LINEAR_TACTICS": missing})
+
+
 def test_nothing_else_reads_the_environment() -> None:
     """plugins/, the models and the attention backends read no environment variable but TRITON_INTERPRET (which
     Triton itself is switched by); the TRTLLM_DUSTIN_* switches are read in KernelConfig.from_env only."""
@@ -103,6 +127,8 @@ def test_validated_on_construction() -> None:
         KernelConfig(fused_elementwise=1)
     with pytest.raises(ValueError, match="KernelConfig.linear_tactics=''"):
         KernelConfig(linear_tactics="")
+    with pytest.raises(ValueError, match="KernelConfig.int8_linear_tactics=3 must be a file path or None"):
+        KernelConfig(int8_linear_tactics=3)
 
 
 def test_json_round_trip(tmp_path) -> None:
@@ -116,6 +142,20 @@ def test_json_round_trip(tmp_path) -> None:
     assert back == config and hash(back) == hash(config) and back.tactics == config.tactics
     assert KernelConfig.from_json(KernelConfig().to_json()) == KernelConfig()
     assert {config: 1, back: 2} == {config: 2}  # hashable: usable as a key (a graph cache, say)
+    int8 = KernelConfig(int8_linear_tactics=write_tactics(tmp_path / "int8.json", [INT8_GOOD], weights="int8"))
+    data = json.loads(int8.to_json())
+    assert data["int8_linear_tactics"] == int8.int8_linear_tactics and "int8_tactics" not in data
+    back = KernelConfig.from_json(int8.to_json())
+    assert back == int8 and back.int8_tactics == int8.int8_tactics and back != KernelConfig()
+
+
+def test_json_without_the_int8_table_field_still_loads() -> None:
+    """JSON written before int8_linear_tactics existed (same schema version): the packaged int8 table."""
+    data = json.loads(KernelConfig(pdl=False).to_json())
+    del data["int8_linear_tactics"]
+    config = KernelConfig.from_json(json.dumps(data))
+    assert config == KernelConfig(pdl=False) and config.int8_linear_tactics is None
+    assert config.int8_tactics == LinearTactics.load(PACKAGED_INT8_LINEAR_TACTICS)
 
 
 @pytest.mark.parametrize("version", [None, 0, 2, "1"])
@@ -256,3 +296,91 @@ def test_a_malformed_table_is_refused_with_its_name(tmp_path, text: str, message
     with pytest.raises(ValueError, match=message) as error:
         KernelConfig(linear_tactics=str(path))
     assert str(path) in str(error.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# int8 tables ("weights": "int8"): the configurations of weight-only int8 weights, rows up to 128
+
+
+def test_an_int8_table_round_trips_from_a_dict() -> None:
+    """The fields bench_int8_linear.py's `table` writes (top-level notes included), the 128-row bucket accepted and
+    keyed by row_block: 65..128 rows."""
+    data = {"schema_version": 1, "weights": "int8", "kernel": "skinny_linear, int8", "gpu": "NVIDIA H100 80GB HBM3",
+            "how": "test", "key": "rows, n, k", "selection_rule": "fastest", "fallback_rule": "bf16, else default",
+            "entries": [
+                {"rows": 16, "n": 40, "k": 96, "config": {"block_n": 32, "block_k": 64, "split_k": 2, "swap": True,
+                                                           "num_warps": 4, "num_stages": 3},
+                 "tie": False, "role": "ring.qkv", "measured_rows": 16, "cublas_us": 9.5, "kernel_us": 7.25},
+                {"rows": 128, "n": 40, "k": 96, "config": {"block_n": 64, "block_k": 128, "split_k": 1, "swap": False,
+                                                            "num_warps": 8, "num_stages": 4},
+                 "tie": False, "role": "ring.qkv", "measured_rows": 128, "cublas_us": 20.0, "kernel_us": 18.5}]}
+    tactics = LinearTactics.from_dict(json.loads(json.dumps(data)), "int8.json")
+    small = LinearTactic(rows=16, n=40, k=96, config=LinearConfig(32, 64, 2, True, 4, 3), tie=False, role="ring.qkv",
+                         measured_rows=16, cublas_us=9.5, kernel_us=7.25)
+    large = LinearTactic(rows=128, n=40, k=96, config=LinearConfig(64, 128, 1, False, 8, 4), tie=False,
+                         role="ring.qkv", measured_rows=128, cublas_us=20.0, kernel_us=18.5)
+    assert tactics == LinearTactics(source="int8.json", gpu="NVIDIA H100 80GB HBM3", entries=(small, large),
+                                    weights="int8")
+    assert tactics.weights == "int8" and len(tactics) == 2
+    assert tactics.lookup(1, 40, 96) == tactics.lookup(16, 40, 96) == small
+    assert tactics.lookup(65, 40, 96) == tactics.lookup(128, 40, 96) == large
+    assert tactics.lookup(64, 40, 96) is None and tactics.lookup(129, 40, 96) is None
+    bf16 = {**data, "entries": [{**data["entries"][0], "config": None}]}
+    del bf16["weights"]
+    assert LinearTactics.from_dict(bf16, "old.json").weights == "bf16"  # absent: bf16
+    assert LinearTactics.from_dict({**bf16, "weights": "bf16"}, "new.json").weights == "bf16"
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"weights": "bf16", "entries": [{**INT8_GOOD, "rows": 128}]},
+     r"entry 0 .*rows=128 must be a row bucket, one of \(16, 32, 64\) \(a table of bf16 weights\)"),
+    ({"entries": [{**INT8_GOOD, "rows": 128}]}, r"entry 0 .*rows=128 must be a row bucket, one of \(16, 32, 64\)"),
+    ({"weights": "int8", "entries": [{**INT8_GOOD, "rows": 256}]},
+     r"entry 0 .*rows=256 must be a row bucket, one of \(16, 32, 64, 128\) \(a table of int8 weights\)"),
+    ({"weights": "fp8", "entries": []}, r"weights='fp8' is not one of 'bf16', 'int8'"),
+    ({"weights": None, "entries": []}, r"weights=None is not one of 'bf16', 'int8'"),
+    ({"weights": "int8", "entries": [INT8_GOOD, {**INT8_GOOD, "rows": 32, "config": None}]},
+     r"entry 1 .*an int8 table's entry needs a config and tie=false"),
+    ({"weights": "int8", "entries": [{**INT8_GOOD, "tie": True}]},
+     r"entry 0 .*an int8 table's entry needs a config and tie=false"),
+])
+def test_a_table_of_the_wrong_weights_is_refused_with_its_name(tmp_path, table: dict, message: str) -> None:
+    path = tmp_path / "bad_weights.json"
+    path.write_text(json.dumps({"schema_version": 1, "gpu": "x", **table}))
+    field = "int8_linear_tactics" if table.get("weights") == "int8" else "linear_tactics"
+    with pytest.raises(ValueError, match=message) as error:
+        KernelConfig(**{field: str(path)})
+    assert str(path) in str(error.value)
+
+
+def test_each_table_field_takes_a_table_of_its_own_weights(tmp_path) -> None:
+    int8 = write_tactics(tmp_path / "int8.json", [INT8_GOOD], weights="int8")
+    bf16 = write_tactics(tmp_path / "bf16.json", [INT8_GOOD])
+    with pytest.raises(ValueError) as error:
+        KernelConfig(linear_tactics=int8)
+    assert str(error.value) == (f"KernelConfig.linear_tactics={int8!r} is a table of int8 weights (\"weights\": "
+                                "\"int8\"); linear_tactics (TRTLLM_DUSTIN_LINEAR_TACTICS) takes one of bf16 weights: "
+                                "pass this file as int8_linear_tactics (TRTLLM_DUSTIN_INT8_LINEAR_TACTICS)")
+    with pytest.raises(ValueError) as error:
+        KernelConfig(int8_linear_tactics=bf16)
+    assert str(error.value) == (f"KernelConfig.int8_linear_tactics={bf16!r} is a table of bf16 weights "
+                                "(\"weights\": \"bf16\"); int8_linear_tactics (TRTLLM_DUSTIN_INT8_LINEAR_TACTICS) "
+                                "takes one of int8 weights: pass this file as linear_tactics "
+                                "(TRTLLM_DUSTIN_LINEAR_TACTICS)")
+    with pytest.raises(ValueError, match="KernelConfig.linear_tactics="):
+        KernelConfig.from_env({"TRTLLM_DUSTIN_LINEAR_TACTICS": int8})
+    both = KernelConfig(linear_tactics=bf16, int8_linear_tactics=int8)
+    assert (both.tactics.weights, both.int8_tactics.weights) == ("bf16", "int8")
+    assert both.tactics.lookup(16, 40, 96).config == both.int8_tactics.lookup(16, 40, 96).config
+    assert replace(both, linear_tactics=None).int8_tactics == both.int8_tactics  # an engine's replace keeps it
+
+
+def test_the_packaged_int8_table_is_an_int8_sweep() -> None:
+    tactics = KernelConfig().int8_tactics
+    assert tactics == LinearTactics.load(PACKAGED_INT8_LINEAR_TACTICS) and tactics.weights == "int8"
+    assert isinstance(tactics.gpu, str) and tactics.gpu.strip()
+    assert len(tactics) > 0
+    for entry in tactics.entries:
+        assert isinstance(entry.config, LinearConfig) and entry.tie is False, entry
+        assert entry.rows in (16, 32, 64, 128), entry
+    assert KernelConfig().tactics.weights == "bf16"

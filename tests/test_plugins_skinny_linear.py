@@ -24,6 +24,7 @@ from trtllm_dustin.plugins.skinny_linear import (  # noqa: E402
     MAX_ROWS,
     QUANTIZED_CONFIG,
     SplitKWorkspace,
+    pick_config,
     skinny_linear,
     skinny_linear_forward,
     skinny_linear_ref,
@@ -131,6 +132,69 @@ def test_int8_weights_take_the_kernel_wherever_triton_runs(monkeypatch, tmp_path
         got = skinny_linear(x, q, kernels=KernelConfig(**switches), scale=scale)
         assert torch.equal(got, skinny_linear_ref(x, q, None, scale))
     assert len(launched) == 4
+
+
+@needs_kernel
+def test_int8_weights_take_the_int8_tables_configuration_first(monkeypatch, tmp_path) -> None:
+    """An int8 weight takes the int8 table's entry (its split only with a workspace that fits, up to 128 rows), else
+    the bf16 table's (rows up to 64), else QUANTIZED_CONFIG; a bf16 weight reads only the bf16 table."""
+    int8_split = LinearConfig(block_n=16, block_k=32, split_k=2, num_stages=2)
+    int8_rows = LinearConfig(block_n=32, block_k=64, swap=False, num_warps=2, num_stages=3)
+    int8_only = LinearConfig(block_n=16, block_k=64, num_stages=3)
+    bf16_40 = LinearConfig(block_n=64, block_k=32, swap=False, num_stages=2)
+    bf16_48 = LinearConfig(block_n=16, block_k=32, split_k=3, num_stages=2)
+    kernels = KernelConfig(
+        linear_tactics=write_tactics(tmp_path / "bf16.json", [table_entry(bf16_40), table_entry(bf16_48, n=48)]),
+        int8_linear_tactics=write_tactics(tmp_path / "int8.json", [
+            table_entry(int8_split), table_entry(int8_rows, rows=128), table_entry(int8_only, n=56)], weights="int8"))
+    gen = torch.Generator().manual_seed(9)
+    few = torch.randn(8, 96, generator=gen).to(DEVICE, torch.bfloat16)  # the 16-row bucket
+    many = torch.randn(100, 96, generator=gen).to(DEVICE, torch.bfloat16)  # the 128-row bucket
+    workspace = SplitKWorkspace.for_outputs(64, few.device)
+    weights = {n: int8_weight(n, 96, gen)[0] for n in (40, 48, 56, 64)}
+    for n, x, room, expected in [
+        (40, few, workspace, int8_split),  # the int8 entry, not the bf16 one
+        (40, few, None, replace(int8_split, split_k=1)),  # no workspace: its split dropped
+        (40, few, SplitKWorkspace.allocate(8, 40, replace(int8_split, split_k=1), few.device),
+         replace(int8_split, split_k=1)),  # a workspace too small for 2 slices: the same
+        (40, many, None, int8_rows),
+        (48, few, workspace, bf16_48),  # not in the int8 table: the bf16 table's
+        (48, few, None, replace(bf16_48, split_k=1)),
+        (48, many, workspace, QUANTIZED_CONFIG),  # the bf16 table has no 128-row bucket
+        (56, few, None, int8_only),
+        (64, few, workspace, QUANTIZED_CONFIG),  # in neither table
+    ]:
+        assert pick_config(kernels, x, weights[n], room) == expected, (n, x.shape[0], room is not None)
+    dense = {n: torch.randn(n, 96, generator=gen).to(DEVICE, torch.bfloat16) for n in (40, 48, 56)}
+    assert pick_config(kernels, few, dense[40], workspace) == bf16_40  # a bf16 weight: the bf16 table
+    assert pick_config(kernels, few, dense[48], workspace) == bf16_48
+    assert pick_config(kernels, few, dense[56], workspace) is None  # the int8 table's shape is not a bf16 one
+    assert pick_config(kernels, many, dense[40], workspace) is None  # more than MAX_ROWS rows: F.linear
+    # the call itself: the int8 entry's configuration, launched without its split, close to the float64 product
+    launched = record_launches(monkeypatch)
+    q, scale = int8_weight(40, 96, gen)
+    out = skinny_linear(few, q, kernels=kernels, scale=scale)
+    assert launched == [replace(int8_split, split_k=1)]
+    assert_close_to_f64(out, reference(few, q.double() * scale.double()[:, None], None), 96)
+
+
+@needs_kernel
+def test_the_packaged_int8_table_configures_the_int8_calls_it_lists() -> None:
+    """Each entry of the packaged int8 table is what an int8 call of its shape takes by default (no workspace: its
+    split dropped), not the bf16 table's entry for the same shape."""
+    table = DEFAULT_KERNELS.int8_tactics
+    assert table.weights == "int8" and len(table) > 0
+    for entry in table.entries:
+        x = torch.empty(entry.measured_rows or entry.rows, entry.k, dtype=torch.bfloat16, device=DEVICE)
+        q = torch.zeros(1, 1, dtype=torch.int8, device=DEVICE).expand(entry.n, entry.k)  # shape and dtype are read
+        expected = replace(entry.config, split_k=1)
+        assert pick_config(DEFAULT_KERNELS, x, q, None) == expected, entry
+    down = table.lookup(16, 2048, 8192)  # the AR draft's down projection: split over K where the workspace fits
+    if down is not None and down.config.split_k > 1:
+        x = torch.empty(16, 8192, dtype=torch.bfloat16, device=DEVICE)
+        q = torch.zeros(1, 1, dtype=torch.int8, device=DEVICE).expand(2048, 8192)
+        assert pick_config(DEFAULT_KERNELS, x, q, SplitKWorkspace.for_outputs(2048, x.device)) == down.config
+        assert down.config != DEFAULT_KERNELS.tactics.lookup(16, 2048, 8192).config
 
 
 @needs_kernel

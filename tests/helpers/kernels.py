@@ -28,9 +28,11 @@ def use_interpreter(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     monkeypatch.setattr(split_kv, "INTERPRET", on)
 
 
-def write_tactics(path, entries: list[dict], gpu: str = "test") -> str:
-    """A skinny-GEMM tactic table file (plugins/linear_tactics.py) holding `entries`; returns its path."""
+def write_tactics(path, entries: list[dict], gpu: str = "test", weights: str | None = None) -> str:
+    """A skinny-GEMM tactic table file (plugins/linear_tactics.py) holding `entries`, of `weights` ("int8": an int8
+    table; None: no "weights" field, a bf16 table); returns its path."""
     import json
 
-    path.write_text(json.dumps({"schema_version": 1, "gpu": gpu, "entries": entries}))
+    table = {"schema_version": 1, "gpu": gpu, "entries": entries} | ({} if weights is None else {"weights": weights})
+    path.write_text(json.dumps(table))
     return str(path)
