@@ -11,8 +11,10 @@ each file's sha256 in the manifest. A build is deterministic (the same inputs gi
                                      tactic table's GPU, the sha256 of every other file
     <engine>/target_config.json      the target's ModelConfig (draft_config.json: the draft's)
     <engine>/rank<r>/target.safetensors   rank r's contiguous target layers (+ the embedding on rank 0, the final
-                                     norm and output head on the last rank); rank0/draft.safetensors: the draft.
-                                     A pipeline rank opens and checks only the files it reads (`open_engine`)
+                                     norm and output head on the last rank); rank0/draft.safetensors: the draft
+                                     (in the engine's dtype: limits.draft_weights "int8" rounds its layers when a
+                                     run loads it). A pipeline rank opens and checks only the files it reads
+                                     (`open_engine`)
     <engine>/longspark/              a LongSpark drafter (config.json, model.safetensors), when built with one
     <engine>/tokenizer/              the target's tokenizer (save_pretrained), when it has one
     <engine>/dustin.json             the Dustin config, when built with one
@@ -34,6 +36,7 @@ import torch
 
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, model_fingerprint
+from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
 from trtllm_dustin.runtime.pipeline.layers import layer_split
 
 __all__ = ["ENGINE_FORMAT_VERSION", "EngineError", "EngineLimits", "EngineManifest", "OpenedEngine", "build_engine",
@@ -57,6 +60,7 @@ class EngineLimits:
     budget: int | None = None  # Dustin's k; None: the Dustin config's own
     dtype: str = "bfloat16"  # weights and the target's KV cache
     draft_kv_cache: str = "model"  # the draft's KV cache: "model" (dtype) or "fp8"
+    draft_weights: str = "model"  # the draft's layers as run: "model" (dtype) or "int8" (rounded when loaded)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_seq_len", "gamma"):
@@ -68,6 +72,9 @@ class EngineLimits:
             raise EngineError(f"--dtype {self.dtype} must be one of {_DTYPES}")
         if self.draft_kv_cache not in ("model", "fp8"):
             raise EngineError(f"--draft-kv-cache {self.draft_kv_cache} must be model or fp8")
+        if self.draft_weights not in DRAFTER_WEIGHTS:
+            raise EngineError(f"--draft-weights {self.draft_weights} must be model or int8 (int8: the draft's layers "
+                              "in weight-only int8)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from itertools import pairwise
@@ -171,3 +172,73 @@ def test_the_baselines_say_their_budget(capsys, plugin_references, method: str, 
     assert main(["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", method,
                  "--prompt-tokens", "40", "--max-new-tokens", "4", *extra]) == 0
     assert line in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("command, required", [("generate", []), ("build", ["--out", "e"]),
+                                               ("triton-repo", ["--out", "r"])])
+def test_draft_weights_is_offered_beside_the_draft_kv_cache(capsys, command: str, required: list[str]) -> None:
+    """--draft-weights {model,int8} wherever --draft-kv-cache is: model by default (--help says so), int8 taken,
+    anything else refused by the parser, before a model is opened, with the accepted values."""
+    from trtllm_dustin.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command, *required]).draft_weights == "model"
+    assert parser.parse_args([command, *required, "--draft-weights", "int8"]).draft_weights == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    assert "--draft-kv-cache {model,fp8}" in usage and "--draft-weights {model,int8}" in usage
+    assert re.search(r"--draft-weights \{model,int8\} the draft model's layers: model \(its dtype\) or int8 "
+                     r"\(weight-only, one scale per output row: half the bytes a draft step reads; tau within about "
+                     r"1 % on the real pair\)[^(]* \(default: model\)", usage)
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *required, "--draft-weights", "int4"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "weights loaded" not in captured.out and f"trtllm-dustin {command}: error: argument --draft-weights: " \
+        "invalid choice: 'int4' (choose from 'model', 'int8')" in captured.err
+
+
+def test_int8_draft_weights_change_proposals_never_tokens(capsys, tmp_path, monkeypatch, plugin_references) -> None:
+    """generate --draft-weights int8: the draft runs with its layers' projections in weight-only int8 (what reaches
+    the runtime, held on to here), and greedy speculative decoding commits exactly the tokens it commits with the
+    draft as loaded. The draft is the target with noise in its layers, so that both accept some proposals."""
+    from trtllm_dustin.models.loading import save_hf_checkpoint
+    from trtllm_dustin.models.quantize import Int8Linear
+    from trtllm_dustin.runtime import build
+
+    noisy = load_model("preset:tiny-llama", seed=0).model
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, weight in noisy.named_parameters():
+            if name.startswith("layers.") and weight.dim() == 2:
+                weight.add_(torch.randn(weight.shape, generator=gen) * 0.3 * weight.std())
+    save_hf_checkpoint(noisy, tmp_path / "draft")
+    drafts = []
+
+    def build_runtime(method, target, **kwargs):
+        drafts.append(kwargs["draft"])
+        return real(method, target, **kwargs)
+
+    real = build.build_runtime
+    monkeypatch.setattr(build, "build_runtime", build_runtime)
+    runs = {}
+    for weights in ("model", "int8"):
+        assert main(["generate", "--model", "preset:tiny-llama", "--draft", str(tmp_path / "draft"), "--method",
+                     "classic", "--prompt-tokens", "20", "--max-new-tokens", "40", "--batch-size", "2",
+                     "--draft-weights", weights]) == 0
+        out = capsys.readouterr().out
+        runs[weights] = [line for line in out.splitlines() if line.startswith("[")]
+        tau = float(out.split("mean accepted length tau ")[1].split(",")[0])
+        assert 1.0 < tau < 4.0  # proposals accepted and rejected alike
+        assert ("draft: 12 projections of its 3 layers in weight-only int8" in out) == (weights == "int8")
+    assert len(runs["int8"]) == 2 and runs["int8"] == runs["model"]
+    loaded, rounded = drafts
+    assert not any(isinstance(m, Int8Linear) for m in loaded.modules())
+    pairs = [(a, b) for a, b in zip(loaded.layers.modules(), rounded.layers.modules(), strict=True)
+             if isinstance(a, torch.nn.Linear)]
+    assert len(pairs) == 4 * len(rounded.layers) and all(isinstance(b, Int8Linear) for _, b in pairs)
+    for linear, int8 in pairs:  # the weights they were rounded from, to within half a step of each row
+        error = (int8.dequantized() - linear.weight).abs()
+        assert (error <= int8.scale[:, None] / 2 * (1 + 1e-5)).all() and error.max() > 0
+    assert torch.equal(rounded.embed.weight, loaded.embed.weight)

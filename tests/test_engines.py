@@ -254,6 +254,45 @@ def test_served_from_an_engine_as_from_its_sources(engine_dir: Path, tmp_path: P
     assert answer(stored) == answer(sources)
 
 
+def test_an_engine_records_its_draft_weights_and_runs_with_them(tmp_path: Path, capsys, plugin_references) -> None:
+    """build --draft-weights int8 records the choice in the manifest (the draft stored as it is); generate and the
+    serving engine take the engine's choice as they take its --draft-kv-cache, and round the draft's layers when they
+    load it: greedy tokens as from the sources with --draft-weights int8. A manifest written before the field reads
+    as "model"; a value outside model / int8 is refused."""
+    from dataclasses import replace
+
+    from trtllm_dustin.models.quantize import Int8Linear
+    from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.engine import served_decoders
+
+    out = tmp_path / "int8"
+    assert main(["build", "--out", str(out), "--model", TARGET, "--draft", DRAFT, "--max-batch", "2", "--max-seq-len",
+                 "96", "--dtype", "float32", "--seed", "3", "--device", "cpu", "--draft-weights", "int8"]) == 0
+    manifest = EngineManifest.from_json((out / "manifest.json").read_text(), "manifest")
+    assert manifest.limits == replace(LIMITS, draft_weights="int8")
+    assert EngineManifest.from_json(manifest.to_json(), "again") == manifest
+    data = json.loads((out / "manifest.json").read_text())
+    del data["limits"]["draft_weights"]  # as an engine built before --draft-weights wrote it
+    assert EngineManifest.from_json(json.dumps(data), "old").limits.draft_weights == "model"
+    with pytest.raises(EngineError, match="--draft-weights int4 must be model or int8"):
+        EngineLimits(draft_weights="int4")
+
+    common = ["generate", "--prompt-tokens", "30", "--max-new-tokens", "12", "--method", "classic", "--device", "cpu",
+              "--batch-size", "2", "--seed", "3"]
+    rounded = "draft: 8 projections of its 2 layers in weight-only int8"
+    assert main([*common, "--engine", str(out), "--draft-weights", "model"]) == 0  # the engine's choice stands
+    printed = capsys.readouterr().out
+    from_engine = [line for line in printed.splitlines() if line.startswith("[")]
+    assert rounded in printed and from_engine
+    assert from_engine == generated(capsys, [*common, "--model", TARGET, "--draft", DRAFT, "--dtype", "float32",
+                                             "--draft-weights", "int8"])
+
+    served = served_decoders(ServingConfig(engine=str(out), methods=("classic",), max_batch=2, max_seq_len=96))
+    draft = served.decoders["classic"].drafter.model
+    layers = [m for m in draft.layers.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+    assert len(layers) == 8 and all(isinstance(m, Int8Linear) for m in layers)
+
+
 def test_the_balanced_split_equalises_the_slowest_stage() -> None:
     """balanced_first_stage against hand-worked splits: with no extra work the even split; a drafting rank whose
     drafting costs 10 layers' forward takes 11 of 32 layers at PP = 2 (11 + 10 against 21); a head worth 2 layers

@@ -82,6 +82,24 @@ def test_a_split_with_a_lighter_drafting_rank_generates_what_the_pp1_engine_does
     assert "pipeline: 2 stages (layers [(0, 1), (1, 3)])" in ranks[0].stdout
 
 
+@pytest.mark.usefixtures("plugin_references")
+def test_the_drafting_rank_rounds_an_int8_engines_draft(tmp_path: Path, capsys) -> None:
+    """An engine built with --draft-weights int8: rank 0 rounds the draft it loads, and the two stages give the
+    tokens the pp=1 engine gives with the same choice."""
+    from dataclasses import replace
+
+    common = dict(longspark=None, dustin=DUSTIN, limits=replace(LIMITS, draft_weights="int8"))
+    pp1, pp2 = build(tmp_path / "pp1", **common), build(tmp_path / "pp2", pp_size=2, **common)
+    assert main([*RUN, "--engine", str(pp1)]) == 0
+    out = capsys.readouterr().out
+    rounded = "draft: 8 projections of its 2 layers in weight-only int8"
+    assert rounded in out
+    ranks = cli_ranks([[*RUN, "--engine", str(pp2)]] * 2)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    assert token_lines(out) and token_lines(ranks[0].stdout) == token_lines(out)
+    assert rounded in ranks[0].stdout
+
+
 def test_ranks_with_different_engines_refuse_at_start(engines) -> None:
     ranks = cli_ranks([[*RUN, "--engine", str(engines["pp2"])], [*RUN, "--engine", str(engines["pp2-other"])]])
     for rank in ranks:

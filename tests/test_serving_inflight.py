@@ -322,6 +322,34 @@ def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
         SERVED.with_(draft_kv_cache="int4")
 
 
+def test_int8_draft_weights_serve_the_targets_greedy_text() -> None:
+    """Classic SD with the draft's layers in weight-only int8 answers exactly as the runtime with the draft as loaded;
+    a repository written before draft_weights reads as "model"; another value is refused with the accepted ones."""
+    import json
+
+    from trtllm_dustin.models.quantize import Int8Linear
+
+    int8 = SERVED.with_(methods=("classic",), draft_weights="int8", queue_size=4)
+    assert ServingConfig.from_json(int8.to_json()) == int8
+    old = json.loads(SERVED.to_json())
+    del old["draft_weights"]
+    assert ServingConfig.from_json(json.dumps(old)).draft_weights == "model"
+    with reference_kernels():
+        eng = ServingEngine.from_config(int8)
+        try:
+            draft = eng.batchers["classic"].decoder.drafter.model
+            linears = [m for m in draft.layers.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+            assert len(linears) == 4 * len(draft.layers) and all(isinstance(m, Int8Linear) for m in linears)
+            requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
+            for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
+                assert all(c.error is None for c in chunks)
+                assert "".join(c.text for c in chunks) == direct_text("classic", r.text, 16)
+        finally:
+            eng.close()
+    with pytest.raises(ValueError, match="draft_weights 'int4' must be 'model' or 'int8'"):
+        SERVED.with_(draft_weights="int4")
+
+
 def test_serving_config_round_trips_and_validates(tmp_path: Path) -> None:
     assert ServingConfig.from_json(SERVED.to_json()) == SERVED
     with pytest.raises(ValueError, match="need a draft model"):

@@ -54,6 +54,16 @@ def test_relative_paths_are_stored_absolute(tmp_path: Path, monkeypatch, capsys)
     assert f"trtllm-dustin serve --repo {(tmp_path / 'repo').resolve()}" in capsys.readouterr().out
 
 
+def test_the_draft_choices_are_recorded(tmp_path: Path) -> None:
+    """--draft-kv-cache and --draft-weights reach the repository's serving config (default: the draft as loaded)."""
+    served = [*TINY, "--method", "classic", "--draft", "preset:tiny-llama-draft"]
+    assert main(["triton-repo", "--out", str(tmp_path / "plain"), *served]) == 0
+    assert (written(tmp_path / "plain").draft_kv_cache, written(tmp_path / "plain").draft_weights) == ("model", "model")
+    assert main(["triton-repo", "--out", str(tmp_path / "repo"), *served, "--draft-kv-cache", "fp8",
+                 "--draft-weights", "int8"]) == 0
+    assert (written(tmp_path / "repo").draft_kv_cache, written(tmp_path / "repo").draft_weights) == ("fp8", "int8")
+
+
 def test_the_default_model_takes_its_packaged_pair(tmp_path: Path, smollm2) -> None:
     """As generate does: the packaged draft, its searched Dustin config and the packaged LongSpark drafter."""
     assert main(["triton-repo", "--out", str(tmp_path / "repo"), "--method", "dustin-h", "dustin-t-longspark",

@@ -45,6 +45,8 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of --dtype
+_DRAFT_WEIGHTS_HELP = ("the draft model's layers: model (its dtype) or int8 (weight-only, one scale per output row: "
+                       "half the bytes a draft step reads; tau within about 1 %% on the real pair)")
 
 
 def _method_list() -> str:
@@ -91,10 +93,10 @@ def _typed(default: object) -> str:
 
 def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str] | None,
                             draft_kv_choices: Sequence[str] | None, method_help: str = "",
-                            default_longspark: str = "") -> None:
+                            default_longspark: str = "", draft_weights: Sequence[str] | None = None) -> None:
     """generate's options. Built twice: by build_parser, and before torch is imported by `_early_generate_args`
     with the method names read from the registry's source (validation.method_facts) and the choices that need torch
-    left open (None: the full parser checks them)."""
+    (draft_kv_choices, draft_weights) left open (None: the full parser checks them)."""
     gen.add_argument("--model", default=None, help="Hugging Face checkpoint directory, .gguf file, or preset:NAME "
                      "(default: SmolLM2-135M-Instruct, the embedded one)")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -132,6 +134,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--draft-kv-cache", choices=draft_kv_choices, default="model",
                      help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads; "
                           "only the acceptance rate can change, the target's cache stays in --dtype)")
+    gen.add_argument("--draft-weights", choices=draft_weights, default="model", help=_DRAFT_WEIGHTS_HELP)
     gen.add_argument("--dustin-config", type=Path, default=None,
                      help="Dustin estimator config (JSON written by `trtllm-dustin search`; default for the default "
                      "pair: the packaged one)")
@@ -142,7 +145,8 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.add_argument("--engine", type=Path, default=None,
                      help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
-                     "drafter, dtype and kernel tactics (instead of --model, --draft, --longspark, --dustin-config); "
+                     "drafter, dtype, draft KV cache and draft weights, and kernel tactics (instead of --model, "
+                     "--draft, --longspark, --dustin-config, --draft-kv-cache, --draft-weights); "
                      "an engine built with --pp-size N runs under `torchrun --nproc-per-node N` (docs/engines.md; "
                      "default: none)")
     gen.add_argument("--micro-batches", type=int, default=1, help="pipeline-parallel runs: the batch in this many "
@@ -154,6 +158,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
 
 def build_parser() -> argparse.ArgumentParser:
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
+    from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
     from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
     from trtllm_dustin.runtime.methods import OFFERED_METHODS
     from trtllm_dustin.search.cli import add_commands as add_search_commands
@@ -162,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)",
                          formatter_class=DefaultsHelp)
-    _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK)
+    _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK, DRAFTER_WEIGHTS)
     gen.set_defaults(func=_generate)
 
     build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--budget", type=int, default=None, help="Dustin's k; None: the Dustin config's")
     build.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16", help="weights and the target's KV cache")
     build.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model", help="the draft's KV cache")
+    build.add_argument("--draft-weights", choices=DRAFTER_WEIGHTS, default="model", help=_DRAFT_WEIGHTS_HELP + "; "
+                       "recorded in the manifest, the draft stored as it is and rounded when loaded")
     build.add_argument("--pp-size", type=int, default=1, help="pipeline stages (contiguous target layers per rank)")
     build.add_argument("--first-stage-layers", type=int, default=None, help="target layers of the first stage, which "
                        "also drafts (the others split the rest evenly); None: an even split")
@@ -234,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                       help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads)")
+    repo.add_argument("--draft-weights", choices=DRAFTER_WEIGHTS, default="model", help=_DRAFT_WEIGHTS_HELP)
     repo.add_argument("--no-cuda-graph", action="store_true", help="run decode phases eagerly on cuda")
     repo.add_argument("--no-decoupled", action="store_true",
                       help="plain request/response model (HTTP infer; no streaming, batches per execute call)")
@@ -571,7 +579,8 @@ def _build(args: argparse.Namespace) -> int:
                              "--dustin-config FILE, or drop --budget")
         check_budget(args.budget, args.max_seq_len)
     limits = EngineLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, gamma=args.gamma,
-                          budget=args.budget, dtype=args.dtype, draft_kv_cache=args.draft_kv_cache)
+                          budget=args.budget, dtype=args.dtype, draft_kv_cache=args.draft_kv_cache,
+                          draft_weights=args.draft_weights)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     start = time.perf_counter()
     build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, dustin=dustin,
@@ -607,7 +616,7 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
             raise EngineError(f"--method {args.method} needs a LongSpark drafter; the engine {args.engine} has none "
                               "(rebuild it with --longspark)")
         args.longspark = str(engine.longspark)
-    args.draft_kv_cache = limits.draft_kv_cache
+    args.draft_kv_cache, args.draft_weights = limits.draft_kv_cache, limits.draft_weights
     print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
           f"files' sha256, fingerprints; limits batch {limits.max_batch} x {limits.max_seq_len} tokens, gamma "
           f"{limits.gamma}; tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
@@ -637,6 +646,19 @@ def _load(role: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.
     loaded = checkpoint.load(device, dtype, share_with=share_with)
     print(f"{role}: weights loaded in {time.perf_counter() - start:.1f} s", flush=True)
     return loaded
+
+
+def _draft_weights(draft: Transformer, kind: str) -> Transformer:
+    """--draft-weights on the loaded draft (on its device, in its dtype), before a runtime is built on it or a CUDA
+    graph captured: int8 rounds its layers' projections (models/quantize.py quantize_draft), and says so."""
+    from trtllm_dustin.models.quantize import Int8Linear, quantize_draft
+
+    quantize_draft(draft, kind)
+    if kind != "model":
+        rounded = sum(isinstance(m, Int8Linear) for m in draft.modules())
+        print(f"draft: {rounded} projections of its {len(draft.layers)} layers in weight-only int8 (one scale per "
+              "output row; the embedding, final norm and output head as loaded)", flush=True)
+    return draft
 
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
@@ -738,6 +760,8 @@ def _generate(args: argparse.Namespace) -> int:
     # ---- load the weights
     loaded = _load("target", target, device, dtype)
     draft_model = _load("draft", draft, device, dtype, share_with=loaded.model).model if draft is not None else None
+    if draft_model is not None:
+        _draft_weights(draft_model, args.draft_weights)
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
     config = loaded.model.config
     decoder = build_runtime(  # the TRTLLM_DUSTIN_* switches read once; an engine brings its own (tuned) tactic table
@@ -845,6 +869,8 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
         print(f"target: layers [{a}, {z}) of {target.config.num_layers} here (each of the {group.world} ranks loads "
               f"its own shard), loaded in {time.perf_counter() - start:.1f} s", flush=True)
         draft_model = _load("draft", draft, device, dtype).model if draft is not None and group.first else None
+        if draft_model is not None:
+            _draft_weights(draft_model, args.draft_weights)
         kernels = runtime_kernels(KernelConfig.from_env(), engine.tactics)  # the TRTLLM_DUSTIN_* switches, read once
         backend = attention_backend(device, kernels, args.backend)
         decoder = PipelineDecoder(PipelineSetup(
@@ -884,9 +910,9 @@ def _triton_repo(args: argparse.Namespace) -> int:
         dustin=dustin, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,
-        use_cuda_graph=not args.no_cuda_graph, decoupled=not args.no_decoupled, weights_seed=args.seed,
-        chat_template=args.chat_template, prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
-        prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block)
+        draft_weights=args.draft_weights, use_cuda_graph=not args.no_cuda_graph, decoupled=not args.no_decoupled,
+        weights_seed=args.seed, chat_template=args.chat_template, prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget, prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block)
     model_dir = write_model_repository(args.out, config, args.name)
     print(f"wrote {model_dir} (methods {', '.join(config.methods)}; default {config.method}; "
           f"{'decoupled' if config.decoupled else 'non-decoupled'})")

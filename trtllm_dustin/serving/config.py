@@ -8,6 +8,7 @@ from typing import Any
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig
+from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
 from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
 from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 from trtllm_dustin.validation import DEFAULT_PREFILL_BUDGET, load_versioned, versioned_json
@@ -38,6 +39,7 @@ class ServingConfig:
     gamma: int = 3  # draft tokens per speculative round
     draft_budget: int = 512  # MagicDec: the draft's StreamingLLM KV budget
     draft_kv_cache: str = "model"  # the draft's KV cache: "model" (its dtype) or "fp8" (e4m3, half the reads)
+    draft_weights: str = "model"  # the draft's layers: "model" (its dtype) or "int8" (weight-only, half the reads)
     use_cuda_graph: bool = True  # replay captured decode phases on cuda
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET  # prompt tokens prefilled per scheduler step, over the
@@ -95,6 +97,9 @@ class ServingConfig:
             raise ConfigError(f"dtype {self.dtype!r} must be one of {_DTYPES}")
         if self.draft_kv_cache not in DRAFT_KV_CHOICES:
             raise ConfigError(f"draft_kv_cache {self.draft_kv_cache!r} must be 'model' or 'fp8'")
+        if self.draft_weights not in DRAFTER_WEIGHTS:
+            raise ConfigError(f"draft_weights {self.draft_weights!r} must be 'model' or 'int8' (int8: the draft's "
+                              "layers in weight-only int8)")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")
 

@@ -30,6 +30,7 @@ import torch
 from trtllm_dustin.build_engines.engine import open_engine
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
+from trtllm_dustin.models.quantize import quantize_draft
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.build import attention_backend, build_runtime, runtime_kernels
@@ -411,7 +412,8 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
     speculative = any(METHODS[m].needs_draft for m in config.methods)
     needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
     tactics = None  # an engine's own tactic table
-    dustin, spark_spec, draft_kv_cache = config.dustin, config.longspark, config.draft_kv_cache
+    dustin, spark_spec = config.dustin, config.longspark
+    draft_kv_cache, draft_weights = config.draft_kv_cache, config.draft_weights
     if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
         engine = open_engine(config.engine, device=device, serving=True)
         missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
@@ -422,8 +424,9 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         if missing:
             raise ValueError(f"the methods {list(config.methods)} need {missing[0]}; the engine {config.engine} "
                              "has none: rebuild it with it")
-        dtype, dustin, draft_kv_cache = engine.manifest.limits.torch_dtype, engine.dustin, \
-            engine.manifest.limits.draft_kv_cache
+        limits = engine.manifest.limits  # the engine's dtype and draft choices, whatever the config says
+        dtype, dustin, draft_kv_cache, draft_weights = limits.torch_dtype, engine.dustin, limits.draft_kv_cache, \
+            limits.draft_weights
         loaded = engine.target.load(device, dtype)
         draft = engine.draft.load(device, dtype).model if speculative else None
         spark_spec = str(engine.longspark) if needs_spark else None
@@ -432,6 +435,8 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
         draft = load_model(config.draft, device=device, dtype=dtype, seed=config.weights_seed + 1,
                            share_with=loaded.model).model if speculative else None
+    if draft is not None:  # on its device and dtype, before a runtime is built on it or a CUDA graph captured
+        quantize_draft(draft, draft_weights)
     longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
     kernels = runtime_kernels(KernelConfig.from_env(), tactics)  # the TRTLLM_DUSTIN_* switches, read once for all
     backend = attention_backend(device, kernels, config.backend)
