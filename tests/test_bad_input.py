@@ -22,6 +22,8 @@ TINY = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "5"]
 PAIR = [*TINY, "--draft", "preset:tiny-llama-draft"]
 SPARSE = ("dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, dustin-ip, "
           "dustin-ip-pages, dustin-ip-sparse-draft, dustin-t-longspark, dustin-ip-longspark")
+DRAFTING = ("classic, magicdec, dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, "
+            "dustin-ip, dustin-ip-pages, dustin-ip-sparse-draft")
 KERNELS = "(a round verifies gamma + 1 tokens and the kernels take at most 16)"
 DUSTIN_FIX = "write it with `trtllm-dustin search`"
 
@@ -52,6 +54,11 @@ BEFORE_ANYTHING = [
     (["generate", "--method", "classic", "--budget", "512"], E + "--budget 512: --method classic verifies against "
      f"the whole cache and has no budget k; drop --budget, or choose a sparse method ({SPARSE})"),
     (["generate", "--method", "dustin-h", "--budget", "-3"], E + "--budget -3 must be >= 1; raise it"),
+    (["generate", "--draft-weights", "int8"], E + "--draft-weights int8: --method vanilla has no draft model, so it "
+     f"would change nothing; drop --draft-weights, or choose a method that drafts with one ({DRAFTING})"),
+    (["generate", "--method", "longspark", "--draft-kv-cache", "fp8"], E + "--draft-kv-cache fp8: --method longspark "
+     "has no draft model, so it would change nothing; drop --draft-kv-cache, or choose a method that drafts with one "
+     f"({DRAFTING})"),
     (["generate", "--batch-size", "0"], E + "--batch-size 0 must be >= 1; raise it"),
     (["generate", "--max-new-tokens", "-5"], E + "--max-new-tokens -5 must be >= 1; raise it"),
     (["generate", "--max-seq-len", "0"], E + "--max-seq-len 0 must be >= 1; raise it"),
@@ -239,7 +246,17 @@ def test_the_registry_read_without_torch_is_the_registry() -> None:
 
     facts = method_facts()
     assert tuple(facts) == OFFERED and all(f.offered for f in facts.values())
-    assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse) for name in OFFERED}
+    assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse, METHODS[name].needs_draft)
+                     for name in OFFERED}
+
+
+def test_the_draft_only_choices_read_without_torch_are_the_options() -> None:
+    from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
+    from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
+    from trtllm_dustin.validation import DRAFT_ONLY_CHOICES
+
+    assert DRAFT_ONLY_CHOICES == {"draft-kv-cache": DRAFT_KV_CHOICES[1:], "draft-weights": DRAFTER_WEIGHTS[1:]}
+    assert DRAFT_KV_CHOICES[0] == DRAFTER_WEIGHTS[0] == "model"
 
 
 def test_gamma_stops_where_the_kernels_do() -> None:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from trtllm_dustin.errors import ConfigError
 
-__all__ = ["CLI", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
+__all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
            "Terms", "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
            "check_value", "load_versioned", "method_facts", "read_json_object", "read_versioned",
            "sparse_gather_bytes", "versioned_json"]
@@ -181,6 +181,11 @@ def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> No
             check_value(field, value, terms)
 
 
+# generate's options that only a draft model reads -> their values other than "model" (plugins/kv_dtype.py
+# DRAFT_KV_CHOICES and models/quantize.py DRAFTER_WEIGHTS import torch; tests/test_bad_input.py checks they agree)
+DRAFT_ONLY_CHOICES = {"draft-kv-cache": ("fp8",), "draft-weights": ("int8",)}
+
+
 def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
     """`generate`'s options on their own, before any model is opened: what the method takes, the prompt file, then
     every range. facts: method_facts() (None: the method-specific checks wait for the registry)."""
@@ -189,6 +194,13 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
         sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
         raise InputError(f"--budget {args.budget}: --method {args.method} verifies against the whole cache and has "
                          f"no budget k; drop --budget, or choose a sparse method ({sparse})")
+    if method is not None and not method.needs_draft:
+        for option, choices in DRAFT_ONLY_CHOICES.items():
+            value = getattr(args, option.replace("-", "_"))
+            if value in choices:  # another value: the full parser's choices refuse it
+                drafting = ", ".join(name for name, f in facts.items() if f.offered and f.needs_draft)
+                raise InputError(f"--{option} {value}: --method {args.method} has no draft model, so it would change "
+                                 f"nothing; drop --{option}, or choose a method that drafts with one ({drafting})")
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         raise InputError(f"--prompt-file {args.prompt_file} does not exist; pass a text file")
     check_options(args)
@@ -347,6 +359,7 @@ class MethodFacts:
 
     offered: bool  # a user option (not evaluation only)
     sparse: bool  # verifies against a budget of k positions (takes --budget)
+    needs_draft: bool = True  # drafts with a draft model (takes --draft-kv-cache, --draft-weights)
 
 
 def method_facts() -> dict[str, MethodFacts] | None:
@@ -374,7 +387,7 @@ def method_facts() -> dict[str, MethodFacts] | None:
     return None
 
 
-_FLAGS = ("offered", "sparse")
+_FLAGS = ("offered", "sparse", "needs_draft")
 
 
 def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFacts] | None:
@@ -391,5 +404,5 @@ def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFact
                 if not isinstance(keyword.value, ast.Constant) or not isinstance(keyword.value.value, bool):
                     return None
                 flags[keyword.arg] = keyword.value.value
-        facts[key.value] = MethodFacts(offered=flags["offered"], sparse=flags["sparse"])
+        facts[key.value] = MethodFacts(**{flag: flags[flag] for flag in _FLAGS})
     return facts
