@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 
 from trtllm_dustin.errors import ConfigError
 
-__all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError", "MethodFacts", "Range",
-           "Terms", "check_budget", "check_fields", "check_generate_options", "check_options", "check_request_length",
-           "check_value", "load_versioned", "method_facts", "read_json_object", "read_versioned",
-           "sparse_gather_bytes", "versioned_json"]
+__all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError",
+           "MethodFacts", "Range", "Terms", "check_budget", "check_fields", "check_generate_options", "check_options",
+           "check_request_length", "check_value", "load_versioned", "method_facts", "read_json_object",
+           "read_versioned", "sparse_gather_bytes", "versioned_json"]
 
 T = TypeVar("T")
 
