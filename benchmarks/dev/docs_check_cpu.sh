@@ -22,6 +22,7 @@ served() {  # name, serve command, client commands
 
 step readme-install 'bash scripts/install.sh && .venv/bin/trtllm-dustin generate'
 step readme-generate-ip-sd "$A trtllm-dustin generate --method dustin-ip-sparse-draft"
+step cli-generate-draft-int8 "$A trtllm-dustin generate --method dustin-ip-sparse-draft --draft-weights int8"
 step readme-build "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --dtype float32 --max-batch 16 --max-seq-len 8192"
 step readme-generate-engine "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-ip-sparse-draft"
 step readme-triton-repo "$A trtllm-dustin triton-repo --out models --method dustin-ip-sparse-draft classic vanilla"
