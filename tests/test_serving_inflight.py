@@ -304,6 +304,14 @@ def test_stop_strings_across_pieces() -> None:
     assert CodepointCodec(300).decode(CodepointCodec(300).encode("Az\u0101")) == "Az\u0101"
 
 
+def _answers_as_the_runtime(eng: ServingEngine, method: str) -> None:
+    """Three prompts of growing length through the engine: each answer is the runtime's greedy text."""
+    requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method=method) for i in range(3)]
+    for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
+        assert all(c.error is None for c in chunks)
+        assert "".join(c.text for c in chunks) == direct_text(method, r.text, 16)
+
+
 def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
     """Classic SD with the draft's cache in fp8 answers exactly as the runtime with a full-precision draft cache."""
     fp8 = SERVED.with_(methods=("classic",), draft_kv_cache="fp8", queue_size=4)
@@ -312,10 +320,7 @@ def test_fp8_draft_cache_serves_the_targets_greedy_text() -> None:
         eng = ServingEngine.from_config(fp8)
         try:
             assert eng.batchers["classic"].decoder.drafter.cache.k.dtype == torch.float8_e4m3fn
-            requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
-            for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
-                assert all(c.error is None for c in chunks)
-                assert "".join(c.text for c in chunks) == direct_text("classic", r.text, 16)
+            _answers_as_the_runtime(eng, "classic")
         finally:
             eng.close()
     with pytest.raises(ValueError, match="draft_kv_cache 'int4' must be 'model' or 'fp8'"):
@@ -340,10 +345,7 @@ def test_int8_draft_weights_serve_the_targets_greedy_text() -> None:
             draft = eng.batchers["classic"].decoder.drafter.model
             linears = [m for m in draft.layers.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
             assert len(linears) == 4 * len(draft.layers) and all(isinstance(m, Int8Linear) for m in linears)
-            requests = [GenerationRequest(prompt_text(i, 14 + i), 16, method="classic") for i in range(3)]
-            for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
-                assert all(c.error is None for c in chunks)
-                assert "".join(c.text for c in chunks) == direct_text("classic", r.text, 16)
+            _answers_as_the_runtime(eng, "classic")
         finally:
             eng.close()
     with pytest.raises(ValueError, match="draft_weights 'int4' must be 'model' or 'int8'"):
