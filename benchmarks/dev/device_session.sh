@@ -51,9 +51,10 @@
 #   ring-cost     drafting cost and state of LongSpark and the ring drafter at Γ = 7 from 8K to 128K (Llama-3.1-8B
 #                 shapes, random weights; $BATCH, default 4), and the ring drafter's on the module code (8K, 128K)
 #                 -> $OUT/cost_ring.json, .png, $OUT/cost_ring_module.json
-#   int8 STEP...  weight-only int8 drafters: tests (GPU tests), linear (dev/bench_int8_linear.py), ring and default
-#                 (bench_e2e A/B, --ring-weights / --draft-weights model then int8, B = $BATCH, default 16, 32K)
-#                 -> $OUT/int8.tgz; needs no stash (random weights)
+#   int8 STEP...  weight-only int8 drafters: tests (GPU tests), linear (dev/bench_int8_linear.py: the sweep, and the
+#                 int8 tactic table it writes, int8_table.json), ring and default (bench_e2e A/B, --ring-weights /
+#                 --draft-weights model then int8, B = $BATCH, default 16, 32K), untuned (both methods in int8 with an
+#                 int8 table of no entries: the fallback without it) -> $OUT/int8.tgz; needs no stash (random weights)
 #   tau-ring NAME=FLAGS...
 #                 tau of the packaged drafters, one eval_tau per name side by side (FLAGS: its --methods, --gammas and
 #                 any other options, say "ring7=--methods ring --gammas 7"), T 0 and 1 at 4K and 8K, $DOCS windows per
@@ -249,8 +250,8 @@ int8)
       tests) python3 -m pytest -q -n 0 tests/test_quantize.py tests/test_plugins_skinny_linear.py \
                tests/test_ring_drafter.py -k "int8 or quantiz or project or fused" > "$L/int8/gpu_tests.txt" 2>&1 \
                || echo "tests: exit $?" ;;
-      linear) python3 benchmarks/dev/bench_int8_linear.py --out "$L/int8/linear_int8.json" > "$L/int8/linear.log" 2>&1 \
-                || echo "linear: exit $?" ;;
+      linear) python3 benchmarks/dev/bench_int8_linear.py --out "$L/int8/linear_int8.json" \
+                --table-out "$L/int8/int8_table.json" > "$L/int8/linear.log" 2>&1 || echo "linear: exit $?" ;;
       ring) for w in model int8; do
               "${e2e[@]}" --gamma 7 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring \
                 --ring-weights "$w" --out "$L/int8/e2e_ring_$w.json" > "$L/int8/e2e_ring_$w.log" 2>&1 || echo "ring $w: exit $?"
@@ -260,7 +261,18 @@ int8)
                    --draft-weights "$w" --out "$L/int8/e2e_default_$w.json" > "$L/int8/e2e_default_$w.log" 2>&1 \
                    || echo "default $w: exit $?"
                done ;;
-      *) echo "int8: unknown step $step (tests, linear, ring, default)" >&2; exit 2 ;;
+      untuned) echo '{"schema_version": 1, "weights": "int8", "gpu": "none", "entries": []}' > "$L/empty_int8.json"
+               TRTLLM_DUSTIN_INT8_LINEAR_TACTICS="$L/empty_int8.json" "${e2e[@]}" --gamma 7 \
+                 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring \
+                 --ring-weights int8 --out "$L/int8/e2e_ring_int8_untuned.json" \
+                 > "$L/int8/e2e_ring_int8_untuned.log" 2>&1 \
+                 || echo "untuned ring: exit $?"
+               TRTLLM_DUSTIN_INT8_LINEAR_TACTICS="$L/empty_int8.json" "${e2e[@]}" --gamma 3 \
+                 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft --draft-weights int8 \
+                 --out "$L/int8/e2e_default_int8_untuned.json" \
+                 > "$L/int8/e2e_default_int8_untuned.log" 2>&1 \
+                 || echo "untuned default: exit $?" ;;
+      *) echo "int8: unknown step $step (tests, linear, ring, default, untuned)" >&2; exit 2 ;;
     esac
     tail -n 4 "$L"/int8/*.log "$L"/int8/*.txt 2>/dev/null | tail -n 12 || true  # some steps write no .log
   done
