@@ -90,9 +90,7 @@ class LinearTactics:
     by_shape: dict[tuple[int, int, int], LinearTactic] = field(init=False, repr=False, compare=False)  # the index
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"linear tactic table {self.source}: weights={self.weights!r} is not one of "
-                             f"{', '.join(repr(w) for w in WEIGHTS)}")
+        _check_weights(self.weights, self.source)
         object.__setattr__(self, "by_shape", {(e.rows, e.n, e.k): e for e in self.entries})
 
     def __len__(self) -> int:
@@ -125,11 +123,7 @@ class LinearTactics:
                              f"version {LINEAR_TACTICS_SCHEMA_VERSION}: re-run the sweep that wrote it")
         if not isinstance(data.get("gpu"), str) or not isinstance(data.get("entries"), list):
             raise ValueError(f"linear tactic table {source}: needs \"gpu\" (a string) and \"entries\" (a list)")
-        weights = data.get("weights", "bf16")
-        if weights not in WEIGHTS:
-            raise ValueError(f"linear tactic table {source}: weights={weights!r} is not one of "
-                             f"{', '.join(repr(w) for w in WEIGHTS)} (what its entries were measured for; absent: "
-                             "'bf16')")
+        weights = _check_weights(data.get("weights", "bf16"), source)  # before the entries: it sets their buckets
         entries, seen = [], {}
         for i, raw in enumerate(data["entries"]):
             entry = _parse_entry(raw, f"linear tactic table {source}, entry {i} ({json.dumps(raw)[:120]})", weights)
@@ -139,6 +133,13 @@ class LinearTactics:
             seen[key] = i
             entries.append(entry)
         return cls(source=source, gpu=data["gpu"], entries=tuple(entries), weights=weights)
+
+
+def _check_weights(weights: object, source: str) -> str:
+    if weights not in WEIGHTS:
+        raise ValueError(f"linear tactic table {source}: weights={weights!r} is not one of "
+                         f"{', '.join(repr(w) for w in WEIGHTS)} (what its entries were measured for; absent: 'bf16')")
+    return weights
 
 
 def _parse_entry(raw: object, where: str, weights: str) -> LinearTactic:

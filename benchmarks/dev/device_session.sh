@@ -245,6 +245,18 @@ int8)
   trap 'tar czf "$OUT/int8.tgz" -C "$L/int8" .' EXIT
   e2e=(python3 benchmarks/bench_e2e.py --pair llama-8b --budget 2048 --rounds 12 --tau 2.7 --batches "${BATCH:-16}"
        --contexts 32768)
+  # one bench_e2e row: METHOD (ring or default) with its drafter's WEIGHTS (model or int8), the files named NAME
+  row() {
+    local method=$1 weights=$2 name=$3 flags
+    if [ "$method" = ring ]; then
+      flags=(--gamma 7 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring
+             --ring-weights "$weights")
+    else
+      flags=(--gamma 3 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft
+             --draft-weights "$weights")
+    fi
+    "${e2e[@]}" "${flags[@]}" --out "$L/int8/e2e_$name.json" > "$L/int8/e2e_$name.log" 2>&1 || echo "$name: exit $?"
+  }
   for step in "$@"; do
     case $step in
       tests) python3 -m pytest -q -n 0 tests/test_quantize.py tests/test_plugins_skinny_linear.py \
@@ -252,26 +264,11 @@ int8)
                || echo "tests: exit $?" ;;
       linear) python3 benchmarks/dev/bench_int8_linear.py --out "$L/int8/linear_int8.json" \
                 --table-out "$L/int8/int8_table.json" > "$L/int8/linear.log" 2>&1 || echo "linear: exit $?" ;;
-      ring) for w in model int8; do
-              "${e2e[@]}" --gamma 7 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring \
-                --ring-weights "$w" --out "$L/int8/e2e_ring_$w.json" > "$L/int8/e2e_ring_$w.log" 2>&1 || echo "ring $w: exit $?"
-            done ;;
-      default) for w in model int8; do
-                 "${e2e[@]}" --gamma 3 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft \
-                   --draft-weights "$w" --out "$L/int8/e2e_default_$w.json" > "$L/int8/e2e_default_$w.log" 2>&1 \
-                   || echo "default $w: exit $?"
-               done ;;
+      ring|default) for w in model int8; do row "$step" "$w" "${step}_$w"; done ;;
       untuned) echo '{"schema_version": 1, "weights": "int8", "gpu": "none", "entries": []}' > "$L/empty_int8.json"
-               TRTLLM_DUSTIN_INT8_LINEAR_TACTICS="$L/empty_int8.json" "${e2e[@]}" --gamma 7 \
-                 --tau-ratios dustin-ip-ring=1.154 --ring-head-ids 32768 --methods vanilla,dustin-ip-ring \
-                 --ring-weights int8 --out "$L/int8/e2e_ring_int8_untuned.json" \
-                 > "$L/int8/e2e_ring_int8_untuned.log" 2>&1 \
-                 || echo "untuned ring: exit $?"
-               TRTLLM_DUSTIN_INT8_LINEAR_TACTICS="$L/empty_int8.json" "${e2e[@]}" --gamma 3 \
-                 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft --draft-weights int8 \
-                 --out "$L/int8/e2e_default_int8_untuned.json" \
-                 > "$L/int8/e2e_default_int8_untuned.log" 2>&1 \
-                 || echo "untuned default: exit $?" ;;
+               for method in ring default; do
+                 TRTLLM_DUSTIN_INT8_LINEAR_TACTICS="$L/empty_int8.json" row "$method" int8 "${method}_int8_untuned"
+               done ;;
       *) echo "int8: unknown step $step (tests, linear, ring, default, untuned)" >&2; exit 2 ;;
     esac
     tail -n 4 "$L"/int8/*.log "$L"/int8/*.txt 2>/dev/null | tail -n 12 || true  # some steps write no .log
