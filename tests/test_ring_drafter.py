@@ -62,12 +62,48 @@ def test_serving_a_round_at_a_time_gives_the_training_outputs(target) -> None:
     """Committed positions ingested in chunks of at most block + 1 (padded with invalid entries), the ring wrapping
     around several times (W = 6, 20 positions), and at each anchor the slots stepped from its output with the true
     tokens: every output equals forward_train's."""
-    model = _drafter(target)
+    _serve_rounds(_drafter(target), torch.testing.assert_close)
+
+
+@needs_kernel
+def test_the_fused_kernels_serve_a_round_at_a_time_as_training_computes(monkeypatch) -> None:
+    """The same rounds on the fused path (float32, as on a GPU: the rotary embedding and the ring writes in one
+    kernel, the ring attention kernel, invalid padding written to scratch rows): the training path's outputs."""
+    from trtllm_dustin.models import ring_drafter
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+
+    target = load_model("preset:tiny-llama", dtype=torch.float32, seed=7).model.eval()
+    target.setup_rope()
+    model = _drafter(target).float()
+    attended = []
+    ring_kernel = ring_drafter.ring_attention
+    monkeypatch.setattr(ring_drafter, "ring_attention", lambda *a, **k: attended.append(1) or ring_kernel(*a, **k))
+    target.kernels = KernelConfig(fused_elementwise=True)
+    try:
+        _serve_rounds(model, lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4))
+    finally:
+        target.kernels = KernelConfig()
+    assert len(attended) == len(OWN) * (6 + 4 * (G - 1))  # six ingests and four anchors' slot steps
+
+
+def _serve_rounds(model: RingDrafter, assert_close) -> None:
+    """forward_train's outputs (the module code: it runs under autograd) against the serving passes (no grad)."""
+    target = model.target
     T = 20
     tokens = torch.randint(2, 250, (2, T), generator=torch.Generator().manual_seed(3))
     hidden = _hidden(target, tokens)
     anchors = [5, 9, 12, 16]
-    x, slots = model.forward_train(tokens, hidden, torch.tensor(anchors))
+    with torch.enable_grad():
+        x, slots = (t.detach() for t in model.forward_train(tokens, hidden, torch.tensor(anchors)))
+    torch.set_grad_enabled(False)
+    try:
+        _serve(model, tokens, hidden, anchors, x, slots, assert_close)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _serve(model, tokens, hidden, anchors, x, slots, assert_close) -> None:
+    T = tokens.shape[1]
     slots = slots.reshape(2, len(anchors), G, -1)
     state = model.new_state(2)
     shifted = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # position p reads p - 1
@@ -78,15 +114,15 @@ def test_serving_a_round_at_a_time_gives_the_training_outputs(target) -> None:
         valid = (pos < end)[None].expand(2, -1)
         take = pos.clamp(max=T - 1)  # the padding past the end reads any token: it is invalid
         out = model.ingest(state, tokens[:, take], shifted[:, take], pos[None].expand(2, -1).clone(), valid)
-        torch.testing.assert_close(out[:, :n], x[:, start:end])
+        assert_close(out[:, :n], x[:, start:end])
         L = end - 1
         if L in anchors:
             a = anchors.index(L)
             previous = out[:, n - 1]
-            torch.testing.assert_close(previous, slots[:, a, 0])
+            assert_close(previous, slots[:, a, 0])
             for g in range(1, G):
                 previous = model.step(state, g, tokens[:, L + g], previous, torch.full((2,), L))
-                torch.testing.assert_close(previous, slots[:, a, g])
+                assert_close(previous, slots[:, a, g])
 
 
 def test_bad_configs_and_oversized_ingests_are_refused(target) -> None:
@@ -301,6 +337,9 @@ def test_the_fused_kernels_serve_as_the_module_code_does(monkeypatch) -> None:
     calls = []
     fused_norm = ring_drafter.add_rms_norm
     monkeypatch.setattr(ring_drafter, "add_rms_norm", lambda *a, **k: calls.append(1) or fused_norm(*a, **k))
+    attended = []
+    ring_kernel = ring_drafter.ring_attention
+    monkeypatch.setattr(ring_drafter, "ring_attention", lambda *a, **k: attended.append(1) or ring_kernel(*a, **k))
 
     def serve(kernels: KernelConfig) -> list[torch.Tensor]:
         target.kernels = kernels
@@ -317,9 +356,11 @@ def test_the_fused_kernels_serve_as_the_module_code_does(monkeypatch) -> None:
         return outs
 
     module = serve(KernelConfig(fused_elementwise=False))
-    assert not calls
+    assert not calls and not attended
     fused = serve(KernelConfig(fused_elementwise=True))
-    assert len(calls) == 2 * len(OWN) * (2 + G - 1)  # two norms per own layer in each of the passes
+    # two norms per own layer in each of the passes, and each slot step's norm of its input
+    assert len(calls) == 2 * len(OWN) * (2 + G - 1) + G - 1
+    assert len(attended) == len(OWN) * G  # the ring kernel in every own layer of the ingest and the slot steps
     for a, b in zip(fused, module, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     target.kernels = KernelConfig()
@@ -360,6 +401,15 @@ def test_a_subset_head_proposes_only_its_ids_and_decoding_stays_exact(target) ->
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[ids] = False
     assert torch.isneginf(subset[:, outside]).all()
+    # greedy() takes the subset's argmax without scattering it: the scattered row's argmax, ties to the lower id
+    assert torch.equal(model.greedy(h), subset.argmax(-1))
+    best = int((ids == int(subset[0].argmax())).nonzero())  # sequence 0's best, as an index into the subset
+    assert best > 0
+    rows = model._head_rows.clone()
+    model._head_rows[best - 1] = model._head_rows[best]  # the id below it now ties with it
+    assert torch.equal(model.greedy(h), model.logits(h).argmax(-1))
+    assert int(model.greedy(h)[0]) == int(ids[best - 1])
+    model._head_rows = rows
 
     prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)], [3 + (i * 5) % 200 for i in range(11)]]
     for sampling in (SamplingParams(), SamplingParams(1.0, 1.0, seed=3)):

@@ -25,7 +25,6 @@ import torch
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models.ring_drafter import RingDrafter, RingState
-from trtllm_dustin.plugins.argmax import argmax_last
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView, Proposal
 from trtllm_dustin.runtime.sampling import SlotSampling
@@ -113,7 +112,8 @@ class RingDrafting:
             self.graphs.run("ring-propose", partial(self._greedy, state))
             return Proposal(self.tokens, None)
 
-        def draw(g: int, logits: torch.Tensor) -> torch.Tensor:
+        def draw(g: int, h: torch.Tensor) -> torch.Tensor:
+            logits = self.model.logits(h)  # [B, V] fp32
             self.probs[:, g] = probs = sampling.probs(logits)
             return sampling.pick(logits, probs)
 
@@ -154,16 +154,16 @@ class RingDrafting:
                                  valid)[:, 0]
 
     def _draft(self, state: RoundState, choose) -> torch.Tensor:
-        """`cur` into the ring, then Γ proposals, slot g's token choose(g, its logits [B, V] fp32)."""
+        """`cur` into the ring, then Γ proposals, slot g's token choose(g, its output h [B, H])."""
         h = self._enter_cur(state)
         for g in range(self.gamma):
             if g:
                 h = self.model.step(self.ring, g, self.tokens[:, g - 1], h, state.lengths.long())
-            self.tokens[:, g] = choose(g, self.model.logits(h))
+            self.tokens[:, g] = choose(g, h)
         return self.tokens
 
     def _greedy(self, state: RoundState) -> torch.Tensor:
-        return self._draft(state, lambda g, logits: argmax_last(logits, use_kernel=self.use_kernel))
+        return self._draft(state, lambda g, h: self.model.greedy(h, use_kernel=self.use_kernel))
 
     def _observe(self, lengths: torch.Tensor) -> torch.Tensor:
         """The accepted drafts into the ring (positions L + 1 .. L + accepted, fed the verification's hidden states

@@ -33,7 +33,9 @@ from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer, scatter_vocab
 from trtllm_dustin.models.quantize import Int8Linear, check_drafter_weights, project, quantize_linears, quantize_rows
 from trtllm_dustin.models.rope import apply_rope
-from trtllm_dustin.plugins.fused_ops import add_rms_norm
+from trtllm_dustin.plugins.argmax import argmax_last
+from trtllm_dustin.plugins.fused_ops import add_rms_norm, rope_qkv_to_cache
+from trtllm_dustin.plugins.ring_attention import ring_attention
 from trtllm_dustin.plugins.skinny_linear import skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
@@ -170,9 +172,19 @@ class RingDrafter(nn.Module):
         final norm and output head, or its rows of a subset head (-inf at the other ids)."""
         if self.head_ids is None:
             return self.target.head(h).float()
-        rows = skinny_linear(self.target.norm(h), self._head_rows, kernels=self.target.kernels,
+        return scatter_vocab(self._subset_logits(h), self.head_ids, self.target.config.vocab_size)
+
+    def _subset_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., len(head_ids)] at the subset head's ids."""
+        return skinny_linear(self._norm(self.target.norm, h), self._head_rows, kernels=self.target.kernels,
                              scale=self._head_scale).float()
-        return scatter_vocab(rows, self.head_ids, self.target.config.vocab_size)
+
+    def greedy(self, h: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+        """The argmax of `logits(h)` [...] (int64), without scattering a subset head's logits over the whole
+        vocabulary first: its ids ascend, so the first best of the subset is the first best of the scattered row."""
+        if self.head_ids is None:
+            return argmax_last(self.logits(h), use_kernel=use_kernel)
+        return self.head_ids[argmax_last(self._subset_logits(h), use_kernel=use_kernel)]
 
     @property
     def weights(self) -> str:
@@ -226,6 +238,16 @@ class RingDrafter(nn.Module):
         return (apply_rope(q.view(*shape, Hq, D), cos, sin), apply_rope(k.view(*shape, Hkv, D), cos, sin),
                 v.view(*shape, Hkv, D))
 
+    def _rope_into(self, layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                   values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The fused path's _qkv for positions entering the joined buffers: x [B, n, H] through the fused RMSNorm and
+        the skinny GEMM, then one kernel rotates q and k (rope: the cos / sin tables at the positions, [B, n, D/2])
+        and writes k and v into keys / values [B, R, H_kv, D] at rows [B, n] -> q [B, n, H_q, D]."""
+        att, kernels = layer.attention, self.target.kernels
+        qkv = project(att.wqkv, self._norm(layer.attention_norm, x), kernels)
+        return rope_qkv_to_cache(qkv, *rope, keys.transpose(1, 2), values.transpose(1, 2), rows, att.num_heads,
+                                 att.num_kv_heads, att.head_dim, pdl=kernels.pdl)
+
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, S, Hq, D], k / v [N, K, Hkv, D], mask [N or 1, S, K] (True: read) -> [N, S, Hq * D]. Each KV head's
@@ -250,7 +272,13 @@ class RingDrafter(nn.Module):
 
     def _slot_input(self, tokens: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Slot g >= 1's input: its token's embedding + P(the drafter's output at slot g - 1)."""
-        return self.target.embed(tokens).to(self.dtype) + self.own(self.own_norm(previous.to(self.dtype)))
+        return self.target.embed(tokens).to(self.dtype) + self.own(self._norm(self.own_norm, previous.to(self.dtype)))
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm(x), through the fused RMSNorm on the fused path (one kernel where the module code runs several)."""
+        if self._fused(x):
+            return add_rms_norm(x, None, norm.weight, norm.eps, pdl=self.target.kernels.pdl)[0]
+        return norm(x)
 
     # ---- training: whole windows -------------------------------------------------------------------------
     def _band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor | None = None
@@ -378,10 +406,23 @@ class RingDrafter(nn.Module):
         x = self.target.embed(tokens).to(self.dtype) + self.features(hidden)
         written = torch.where(valid, positions, state.positions[batch, rows])
         state.positions[batch, rows] = written
+        last = len(self.layers) - 1
+        if self._fused(x):  # the fused path: an invalid entry writes into a slot row (scratch until the next round)
+            G = self.config.block
+            scratch = C + torch.arange(tokens.shape[1], device=tokens.device) % G
+            write = torch.where(valid, rows, scratch[None])
+            rope = self.target.rope_cos[positions], self.target.rope_sin[positions]
+            for i, (layer, keys, values) in enumerate(zip(self.layers, state.joined_keys, state.joined_values,
+                                                          strict=True)):
+                q = self._rope_into(layer, x, rope, keys, values, write)
+                if i == last and not outputs:
+                    return None
+                x = self._finish(layer, x, ring_attention(q, keys, values, state.positions, positions, W, 0,
+                                                          pdl=self.target.kernels.pdl).flatten(2))
+            return x
         # query at p reads the ring rows holding positions in (p - W, p]
         held = state.positions[:, None, :]  # [B, 1, C]
         mask = (held >= 0) & (held <= positions[:, :, None]) & (held > positions[:, :, None] - W)
-        last = len(self.layers) - 1
         for i, (layer, ring_k, ring_v) in enumerate(zip(self.layers, state.keys, state.values, strict=True)):
             q, k, v = self._qkv(layer, x, positions)
             keep = valid[:, :, None, None]
@@ -401,10 +442,18 @@ class RingDrafter(nn.Module):
         s = self._slot_input(tokens[:, None], previous[:, None])
         positions = (anchor + g)[:, None]
         held = state.positions
+        slot = held.shape[1] + g - 1  # this slot's row in the joined buffers: after the ring's C rows
+        if self._fused(s):
+            rope = self.target.rope_cos[positions], self.target.rope_sin[positions]
+            write = torch.full_like(positions, slot)
+            for layer, keys, values in zip(self.layers, state.joined_keys, state.joined_values, strict=True):
+                q = self._rope_into(layer, s, rope, keys, values, write)
+                s = self._finish(layer, s, ring_attention(q, keys, values, held, anchor[:, None], W, g,
+                                                          pdl=self.target.kernels.pdl).flatten(2))
+            return s[:, 0]
         ring_ok = (held >= 0) & (held <= anchor[:, None]) & (held > anchor[:, None] - W)
         slots_ok = torch.arange(1, self.config.block + 1, device=held.device)[None].expand(held.shape[0], -1) <= g
         mask = torch.cat([ring_ok, slots_ok], dim=1)[:, None]  # [B, 1, C + G]
-        slot = held.shape[1] + g - 1  # this slot's row in the joined buffers: after the ring's C rows
         for layer, keys, values in zip(self.layers, state.joined_keys, state.joined_values, strict=True):
             q, k, v = self._qkv(layer, s, positions)
             keys[:, slot] = k[:, 0].to(keys.dtype)
