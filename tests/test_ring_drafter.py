@@ -358,8 +358,9 @@ def test_the_fused_kernels_serve_as_the_module_code_does(monkeypatch) -> None:
     module = serve(KernelConfig(fused_elementwise=False))
     assert not calls and not attended
     fused = serve(KernelConfig(fused_elementwise=True))
-    # two norms per own layer in each of the passes, and each slot step's norm of its input
-    assert len(calls) == 2 * len(OWN) * (2 + G - 1) + G - 1
+    # two norms per own layer in each of the passes, each slot step's norm of its input, and the fill's and the
+    # ingest's norms of the target's hidden states (one per read layer)
+    assert len(calls) == 2 * len(OWN) * (2 + G - 1) + G - 1 + 2 * len(READ)
     assert len(attended) == len(OWN) * G  # the ring kernel in every own layer of the ingest and the slot steps
     for a, b in zip(fused, module, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -216,7 +216,7 @@ class RingDrafter(nn.Module):
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """F: the target's hidden states [..., len(read_layers), H] at p - 1 -> [..., H] for position p."""
-        parts = [norm(hidden[..., j, :].to(self.dtype)) for j, norm in enumerate(self.read_norms)]
+        parts = [self._norm(norm, hidden[..., j, :].to(self.dtype)) for j, norm in enumerate(self.read_norms)]
         return self.fuse(torch.cat(parts, dim=-1))
 
     def _fused(self, x: torch.Tensor) -> bool:
