@@ -9,9 +9,9 @@ none), then G slot rows, the round's proposals. A query reads
 
 One kernel replaces the masked attention the module code builds from these rules (the mask, the query-group folding,
 the attention and the output transpose): at B = 16 on the 8B shapes a drafting round runs it 4 own layers x 8 times.
-It is latency-bound (each program reads R rows of one KV head, about 140 KB at R = 271, D = 128), so one program
-serves every query row of one (sequence, KV head) pair from one read of the keys and values, as verify_attention's
-do.
+It is latency-bound (a pair reads R rows of one KV head, about 140 KB at R = 271, D = 128): every query row of one
+(sequence, KV head) pair is served from one read of the keys and values, as verify_attention's are, and the rows are
+split over programs of 64 (a program looping over all R rows took 15 us per call on an H100, B = 8).
 """
 
 import math
@@ -22,7 +22,17 @@ import triton.language as tl
 
 from .checks import _HEAD_DIMS, check_out
 from .pdl import gdc_args, gdc_launch_if, gdc_wait_if, pdl_supported
-from .split_kv import LOG2E, NEG_BIG, dot_mode, online_softmax_update, runs_triton, tile_dot
+from .split_kv import (
+    LOG2E,
+    NEG_BIG,
+    dot_mode,
+    merge_if_last,
+    online_softmax_update,
+    runs_triton,
+    split_counters,
+    store_split_result,
+    tile_dot,
+)
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_ref"]
 
@@ -62,17 +72,19 @@ def ring_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 @triton.jit
 def _ring_attention_kernel(
-    q_ptr, k_ptr, v_ptr, held_ptr, bound_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, held_ptr, bound_ptr, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, counters_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kr, stride_kh,
     stride_vb, stride_vr, stride_vh,
     stride_hb, stride_bb, stride_ob, stride_os, stride_oh,
-    num_kv_heads, ring_rows, slots_read, window, qk_scale_log2,
+    batch, num_kv_heads, ring_rows, slots_read, window, num_splits, qk_scale_log2,
     S: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_MODE: tl.constexpr, USE_GDC: tl.constexpr = False,
+    DIRECT_OUTPUT: tl.constexpr, DOT_MODE: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    """Program (sequence, KV head): tile rows m = s * GROUP + g (query s, query head kv_head * GROUP + g)."""
-    pair = tl.program_id(0)
+    """Program (split, pair): the BLOCK_N joined rows [split * BLOCK_N, ...) for the tile rows m = s * GROUP + g
+    (query s, query head kv_head * GROUP + g) of one (sequence, KV head) pair."""
+    split = tl.program_id(0)
+    pair = tl.program_id(1)
     b = (pair // num_kv_heads).to(tl.int64)
     kv_head = (pair % num_kv_heads).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -85,29 +97,32 @@ def _ring_attention_kernel(
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     bound = tl.load(bound_ptr + b * stride_bb + s_row, mask=row_ok, other=-1)  # [BLOCK_M]
 
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    end = ring_rows + slots_read
-    for n0 in range(0, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < end
-        in_ring = offs_n < ring_rows
-        held = tl.load(held_ptr + b * stride_hb + offs_n, mask=in_ring, other=-1)  # [BLOCK_N]
-        ring_ok = (held[None, :] >= 0) & (held[None, :] <= bound[:, None]) & (held[None, :] > bound[:, None] - window)
-        visible = tl.where(in_ring[None, :], ring_ok, col_ok[None, :]) & row_ok[:, None]  # [BLOCK_M, BLOCK_N]
-        # rows no query reads are not loaded: whatever they hold (a stale or never-written row) cannot reach the sums
-        read = tl.max(visible.to(tl.int32), 0) > 0
-        k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=read[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=read[:, None], other=0.0)
-        scores = tl.where(visible, tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(scores, m_i, l_i, acc, v, DOT_MODE)
+    offs_n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_ring = offs_n < ring_rows
+    held = tl.load(held_ptr + b * stride_hb + offs_n, mask=in_ring, other=-1)  # [BLOCK_N]
+    ring_ok = (held[None, :] >= 0) & (held[None, :] <= bound[:, None]) & (held[None, :] > bound[:, None] - window)
+    visible = tl.where(in_ring[None, :], ring_ok, offs_n[None, :] < ring_rows + slots_read) & row_ok[:, None]
+    # rows no query reads are not loaded: whatever they hold (a stale or never-written row) cannot reach the sums
+    read = tl.max(visible.to(tl.int32), 0) > 0
+    k = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kr + offs_d[None, :],
+                mask=read[:, None], other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vr + offs_d[None, :],
+                mask=read[:, None], other=0.0)
+    scores = tl.where(visible, tile_dot(q, tl.trans(k), DOT_MODE) * qk_scale_log2, float("-inf"))
+    m_i, l_i, acc = online_softmax_update(scores, tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32),
+                                          tl.zeros([BLOCK_M], dtype=tl.float32),
+                                          tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), v, DOT_MODE)
     gdc_launch_if(USE_GDC)
-    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)  # nothing visible: zeros
-    o_off = b * stride_ob + s_row * stride_os + head * stride_oh
-    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if DIRECT_OUTPUT:
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)  # nothing visible: zeros
+        o_off = b * stride_ob + s_row * stride_os + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # the last of the pair's programs to finish merges the splits (no second launch)
+        num_heads = num_kv_heads * GROUP
+        store_split_result(acc, m_i, l_i, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, s_row, head, row_ok, offs_d,
+                           split, num_splits, batch, S, num_heads, stride_ob, stride_os, stride_oh, HEAD_DIM, False)
+        merge_if_last(counters_ptr + pair, out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, s_row, head, row_ok, offs_d,
+                      num_splits, batch, S, num_heads, stride_ob, stride_os, stride_oh, BLOCK_M, HEAD_DIM)
 
 
 def ring_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: torch.Tensor,
@@ -122,8 +137,10 @@ def ring_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
       bound:    int64 [B, S], last dim contiguous: ring rows in (bound - window, bound] are read
       slots_read: rows C .. C + slots_read - 1 are read by every query
       out:      [B, S, H_q, D] q.dtype, last dim contiguous (written; zeros where a query reads no row)
-      grid:     (B * H_kv,); a program owns the [S * G, D] tile of one (b, kv head) and walks rows 0 .. C +
-                slots_read - 1 in tiles of 64
+      grid:     (cdiv(C + slots_read, 64), B * H_kv); a program owns the [S * G, D] tile of one (b, kv head) and 64
+                of the rows, so a round's few hundred rows spread over the SMs instead of looping in one program;
+                with more than one split, the last program of a pair to finish merges the partials (arrival
+                counters from split_counters)
       pdl:      programmatic dependent launch where pdl_supported
     """
     batch, s, heads_q, head_dim = q.shape
@@ -132,15 +149,24 @@ def ring_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if batch == 0:
         return
     block_m = max(16, triton.next_power_of_2(s * group))
-    _ring_attention_kernel[(batch * heads_kv,)](
-        q, keys, values, held, bound, out,
+    num_splits = max(1, triton.cdiv(held.shape[1] + slots_read, _BLOCK_N))
+    direct = num_splits == 1
+    if direct:
+        lse = o_part = ml_part = counters = out  # unused
+    else:
+        lse = torch.empty(batch, s, heads_q, device=q.device, dtype=torch.float32)
+        o_part = torch.empty(num_splits, batch, s, heads_q, head_dim, device=q.device, dtype=torch.float32)
+        ml_part = torch.empty(2, num_splits, batch, s, heads_q, device=q.device, dtype=torch.float32)
+        counters = split_counters(q.device, batch * heads_kv)
+    _ring_attention_kernel[(num_splits, batch * heads_kv)](
+        q, keys, values, held, bound, out, lse, o_part, ml_part, counters,
         q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         held.stride(0), bound.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        heads_kv, held.shape[1], slots_read, window, softmax_scale * LOG2E,
-        S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, DOT_MODE=dot_mode(q.dtype),
-        num_warps=4, num_stages=2, **gdc_args(pdl and pdl_supported(q.device)),
+        batch, heads_kv, held.shape[1], slots_read, window, num_splits, softmax_scale * LOG2E,
+        S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, DIRECT_OUTPUT=direct,
+        DOT_MODE=dot_mode(q.dtype), num_warps=4, num_stages=1, **gdc_args(pdl and pdl_supported(q.device)),
     )
 
 

@@ -161,9 +161,11 @@ def merge_split_rows(out_ptr, lse_ptr, o_part_ptr, ml_part_ptr, b, t_row, head, 
                       cache_modifier=".cg")
         o += w[:, None] * o_s
     denom = tl.where(row_ok, denom, 1.0)
+    # a row that read nothing (every split's denominator 0; only the ring drafter's invalid entries) gets zeros;
+    # any other has denom >= 1 (the split holding the max contributes its own l >= 1)
+    o = tl.where(denom[:, None] > 0, o / tl.maximum(denom, 1e-30)[:, None], 0.0)
     out_off = b.to(tl.int64) * stride_ob + t_row * stride_ot + head * stride_oh
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], (o / denom[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + row, (m_max + tl.log2(denom)) * 0.6931471805599453, mask=row_ok)
 
 

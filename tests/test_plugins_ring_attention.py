@@ -52,9 +52,9 @@ def make_problem(batch, s, heads_kv, group, head_dim, dtype, window=6, ring=11, 
     return q, joined, held.to(DEVICE), bound.to(DEVICE)
 
 
-def check(batch, s, heads_kv, group, head_dim, dtype, slots_read, window=6):
-    q, joined, held, bound = make_problem(batch, s, heads_kv, group, head_dim, dtype, window=window,
-                                          gen_seed=batch * 31 + s * 7 + slots_read)
+def check(batch, s, heads_kv, group, head_dim, dtype, slots_read, window=6, ring=11, slots=4):
+    q, joined, held, bound = make_problem(batch, s, heads_kv, group, head_dim, dtype, window=window, ring=ring,
+                                          slots=slots, gen_seed=batch * 31 + s * 7 + slots_read)
     keys, values = joined[:, :, 0], joined[:, :, 1]
     ref = oracle(q.cpu(), keys.cpu(), values.cpu(), held.cpu(), bound.cpu(), window, slots_read)
     # rows no query reads are poisoned: the slot rows past slots_read, and ring rows whose position none may read
@@ -73,13 +73,15 @@ def check(batch, s, heads_kv, group, head_dim, dtype, slots_read, window=6):
     assert worst < max_tol, f"max error {worst:.2e} >= {max_tol:.0e}"
 
 
-# (batch, S, H_kv, group, D, dtype, slots_read): S 1 (a slot step) and 5 / 8 (committed positions entering), slots
-# read 0 .. all, GQA 1 / 3 / 4.
+# (batch, S, H_kv, group, D, dtype, slots_read, window, ring rows): S 1 (a slot step) and 5 / 8 (committed positions
+# entering), slots read 0 .. all, GQA 1 / 3 / 4; rings of 11 rows (one program per pair) and of 70 (two, merged)
 CPU_SHAPES = [
-    (2, 1, 2, 3, 16, torch.float32, 2),
-    (3, 5, 1, 4, 32, torch.float32, 0),
-    (1, 8, 2, 1, 64, torch.float32, 4),
-    (2, 1, 2, 4, 64, torch.bfloat16, 1),
+    (2, 1, 2, 3, 16, torch.float32, 2, 6, 11),
+    (3, 5, 1, 4, 32, torch.float32, 0, 6, 11),
+    (1, 8, 2, 1, 64, torch.float32, 4, 6, 11),
+    (2, 1, 2, 4, 64, torch.bfloat16, 1, 6, 11),
+    (2, 3, 2, 2, 16, torch.float32, 3, 50, 70),
+    (3, 1, 1, 4, 32, torch.float32, 0, 64, 70),
 ]
 
 
@@ -97,6 +99,8 @@ def test_ring_attention_matches_the_oracle(shape) -> None:
 def test_ring_attention_matches_the_oracle_on_the_gpu(dtype, s, group, head_dim) -> None:
     for slots_read in (0, 3):
         check(16, s, 2, group, head_dim, dtype, slots_read)
+    for slots_read in (0, 7):  # the served shape: W = 256, a ring of W + Γ + 1 = 264 rows, Γ = 7 slot rows
+        check(4, s, 2, group, head_dim, dtype, slots_read, window=256, ring=264, slots=7)
 
 
 def test_the_reference_matches_the_oracle() -> None:
@@ -108,15 +112,16 @@ def test_the_reference_matches_the_oracle() -> None:
                                                bound.cpu(), 6, slots_read))
 
 
+@pytest.mark.parametrize("ring", [11, 70])  # one program per pair, and two merged
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_kernel)])
-def test_a_query_that_reads_nothing_gets_zeros(kernel, monkeypatch) -> None:
+def test_a_query_that_reads_nothing_gets_zeros(kernel, ring, monkeypatch) -> None:
     """An entry that is not valid (its bound below every held position, no slot rows) reads no row: zeros, where a
     masked softmax would give NaN; the other queries are untouched by it."""
     from helpers.kernels import use_interpreter
 
     if DEVICE == "cpu":
         use_interpreter(monkeypatch, kernel)
-    q, joined, held, bound = make_problem(2, 3, 2, 2, 16, torch.float32)
+    q, joined, held, bound = make_problem(2, 3, 2, 2, 16, torch.float32, ring=ring)
     bound[0, 1] = -5
     out = ring_attention(q, joined[:, :, 0], joined[:, :, 1], held, bound, 6, 0)
     assert (out[0, 1] == 0).all()
