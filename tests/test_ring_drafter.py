@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.kernels import needs_kernel
+from helpers.kernels import needs_cuda, needs_kernel
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import load_model
@@ -561,3 +561,44 @@ def test_quantizing_is_refused_where_it_cannot_apply(target, tmp_path) -> None:
     with pytest.raises(ConfigError, match="save the drafter it was quantized from"):
         model.save(tmp_path / "ring")
     assert not (tmp_path / "ring").exists()
+
+
+@needs_cuda
+@pytest.mark.parametrize("weights", ["model", "int8"])
+def test_captured_rounds_on_the_gpu_propose_what_eager_rounds_propose(weights: str) -> None:
+    """bf16 on the GPU, the fused path: rounds replayed from CUDA graphs (the proposal with and without entering
+    `cur`, the observe pass that enters the next `cur`) propose what the same rounds run eagerly propose, slots
+    admitted at different rounds, and both commit the target's own greedy tokens."""
+    import trtllm_dustin.runtime.experimental  # noqa: F401  (registers "ring")
+    from trtllm_dustin.runtime.build import build_runtime
+    from trtllm_dustin.runtime.generation import GenerationConfig
+
+    target = load_model("preset:tiny-llama", dtype=torch.bfloat16, seed=7, device="cuda").model.eval()
+    target.setup_rope()
+    torch.manual_seed(0)
+    model = RingDrafter(RingDrafterConfig(READ, OWN, W, G), target)
+    with torch.no_grad():
+        model.fuse.weight.normal_(std=0.05)
+        model.own.weight.normal_(std=0.05)
+    model = model.to("cuda", torch.bfloat16).eval().quantize_weights(weights)
+    prompts = [[9, 8, 7], [5 + (i * 7) % 240 for i in range(20)], [3 + (i * 5) % 200 for i in range(11)]]
+    config = GenerationConfig(max_new_tokens=12, eos_token_ids=(), prefill_chunk=4)
+    runs = {}
+    for graphs in (False, True):
+        decoder = build_runtime("ring", target, batch_slots=3, max_seq_len=96, dtype=torch.bfloat16, device="cuda",
+                                ring=model, gamma=G, use_cuda_graph=graphs)
+        proposals, propose = [], decoder.drafter.propose
+
+        def spy(*args, propose=propose, proposals=proposals, **kwargs):
+            proposal = propose(*args, **kwargs)
+            proposals.append(proposal.tokens.clone())
+            return proposal
+
+        decoder.drafter.propose = spy
+        runs[graphs] = (decoder.generate(prompts, config).tokens, proposals)
+    vanilla = build_runtime("vanilla", target, batch_slots=3, max_seq_len=96, dtype=torch.bfloat16, device="cuda",
+                            use_cuda_graph=False).generate(prompts, config)
+    assert runs[True][0] == runs[False][0] == vanilla.tokens
+    assert len(runs[True][1]) == len(runs[False][1]) > 2
+    for captured, eager in zip(runs[True][1], runs[False][1], strict=True):
+        assert torch.equal(captured, eager)
