@@ -93,8 +93,8 @@ def test_ring_attention_matches_the_oracle(shape) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("s", [1, 3, 8])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("s", [1, 8])
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_ring_attention_matches_the_oracle_on_the_gpu(dtype, s, group, head_dim) -> None:
     for slots_read in (0, 3):
