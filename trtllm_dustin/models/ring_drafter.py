@@ -217,7 +217,7 @@ class RingDrafter(nn.Module):
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """F: the target's hidden states [..., len(read_layers), H] at p - 1 -> [..., H] for position p."""
         parts = [self._norm(norm, hidden[..., j, :].to(self.dtype)) for j, norm in enumerate(self.read_norms)]
-        return self.fuse(torch.cat(parts, dim=-1))
+        return self._linear(self.fuse, torch.cat(parts, dim=-1))
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether a pass over x takes the target's fused decode kernels (its KernelConfig decides, as for its own
@@ -272,7 +272,12 @@ class RingDrafter(nn.Module):
 
     def _slot_input(self, tokens: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Slot g >= 1's input: its token's embedding + P(the drafter's output at slot g - 1)."""
-        return self.target.embed(tokens).to(self.dtype) + self.own(self._norm(self.own_norm, previous.to(self.dtype)))
+        own = self._linear(self.own, self._norm(self.own_norm, previous.to(self.dtype)))
+        return self.target.embed(tokens).to(self.dtype) + own
+
+    def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """linear(x), through the skinny-M GEMM (and its tactic table) on the fused path, as the own layers' are."""
+        return project(linear, x, self.target.kernels) if self._fused(x) else linear(x)
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """norm(x), through the fused RMSNorm on the fused path (one kernel where the module code runs several)."""
