@@ -29,9 +29,10 @@ for step in "$@"; do
     profile) use "$NEW"; run ring_int8_profile "$NEW" "${e2e[@]}" "${ring[@]}" "${r_int8[@]}" --ring-weights int8 --profile-kernels ;;
     long) use "$NEW"
       lng=(python3 benchmarks/bench_e2e.py --pair llama-8b --budget 2048 --rounds 12 --tau 2.7)
-      run ring_int8_64k "$NEW" "${lng[@]}" --batches 8 --contexts 65536 "${ring[@]}" "${r_int8[@]}" --ring-weights int8
-      run ring_int8_128k "$NEW" "${lng[@]}" --batches 4 --contexts 131072 "${ring[@]}" "${r_int8[@]}" --ring-weights int8 ;;
+      run ring_int8_64k "$NEW" "${lng[@]}" --batches ${B64:-8} --contexts 65536 "${ring[@]}" "${r_int8[@]}" --ring-weights int8
+      run ring_int8_128k "$NEW" "${lng[@]}" --batches ${B128:-4} --contexts 131072 "${ring[@]}" "${r_int8[@]}" --ring-weights int8 ;;
     default) use "$NEW"; run default_model_new "$NEW" "${e2e[@]}" --gamma 3 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft ;;
+    default-int8) use "$NEW"; run default_int8_new "$NEW" "${e2e[@]}" --gamma 3 --tau-ratios dustin-ip-sparse-draft=0.983 --methods vanilla,dustin-ip-sparse-draft --draft-weights int8 ;;
   esac
   tar czf $OUT/z_$step.tgz -C $OUT/z . 
 done
