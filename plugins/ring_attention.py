@@ -8,10 +8,10 @@ none), then G slot rows, the round's proposals. A query reads
 - the first `slots_read` slot rows (the proposals before it in the round).
 
 One kernel replaces the masked attention the module code builds from these rules (the mask, the query-group folding,
-the attention and the output transpose): at B = 16 on the 8B shapes a drafting round runs it 4 own layers x 8 times.
-It is latency-bound (a pair reads R rows of one KV head, about 140 KB at R = 271, D = 128): every query row of one
-(sequence, KV head) pair is served from one read of the keys and values, as verify_attention's are, and the rows are
-split over programs of 64 (a program looping over all R rows took 15 us per call on an H100, B = 8).
+the attention and the output transpose): a round at Γ = 7 runs it in each of 4 own layers for 6 slot steps and the
+observe pass. It is latency-bound (a pair reads R rows of one KV head, about 140 KB at R = 271, D = 128): every query
+row of one (sequence, KV head) pair is served from one read of the keys and values, as verify_attention's are, and
+the rows are split over programs of 64 (a program looping over all R rows took 15 us per call on an H100, B = 8).
 """
 
 import math

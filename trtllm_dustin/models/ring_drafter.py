@@ -400,8 +400,9 @@ class RingDrafter(nn.Module):
         [B, n] (distinct ascending positions per row, invalid ones included, each valid one following the ring's
         last; at most block + 2 of them, so that none evicts a row one of them reads, unless the ring holds nothing
         they read: a fresh sequence takes up to the ring's rows), hidden [B, n, len(read_layers), H]
-        (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing (their outputs are
-        meaningless); a row whose entries are all invalid keeps its ring as it was. outputs=False: only the ring is
+        (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing into the ring (their
+        outputs are meaningless; on the fused path their keys and values go to the slot rows, which the next slot
+        steps rewrite before reading); a row whose entries are all invalid keeps its ring as it was. outputs=False: only the ring is
         wanted (None is returned), and the last layer's attention output and MLP are not run."""
         C, W = state.positions.shape[1], self.config.window
         if tokens.shape[1] > C:
