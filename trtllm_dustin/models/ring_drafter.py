@@ -402,8 +402,8 @@ class RingDrafter(nn.Module):
         they read: a fresh sequence takes up to the ring's rows), hidden [B, n, len(read_layers), H]
         (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing into the ring (their
         outputs are meaningless; on the fused path their keys and values go to the slot rows, which the next slot
-        steps rewrite before reading); a row whose entries are all invalid keeps its ring as it was. outputs=False: only the ring is
-        wanted (None is returned), and the last layer's attention output and MLP are not run."""
+        steps rewrite before reading); a row whose entries are all invalid keeps its ring as it was. outputs=False:
+        only the ring is wanted (None is returned), and the last layer's attention output and MLP are not run."""
         C, W = state.positions.shape[1], self.config.window
         if tokens.shape[1] > C:
             raise ValueError(f"ingest takes at most {C} positions at a time (the ring's rows), got {tokens.shape[1]}")
