@@ -174,6 +174,43 @@ def test_training_learns_resumes_and_round_trips(tmp_path, capsys) -> None:
     assert "written with another training config" in capsys.readouterr().err
 
 
+def test_training_from_a_trained_drafter_starts_where_it_ended(tmp_path, capsys) -> None:
+    """--init: a run starts from the given checkpoint's weights (at a learning rate too small to move them, its
+    checkpoint equals the one it started from, and its first loss is the first run's last level, far below a fresh
+    start's), keeps the subset head file it proposed from, and a checkpoint of another shape is refused, naming the
+    option to pass, before anything loads."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from trtllm_dustin.cli import main
+    from trtllm_dustin.models.ring_drafter import save_head_ids
+
+    np.save(tmp_path / "t.npy", np.random.default_rng(1).integers(2, 257, size=(4, 48)).astype(np.uint16))
+    args = ["train-ring-drafter", "--tokens", str(tmp_path / "t.npy"), "--target", "preset:tiny-llama",
+            "--read-layers", "0,1", "--own-layers", "0,2", "--window", "8", "--block", "3", "--seq-len", "48",
+            "--batch-size", "2", "--anchor-stride", "5", "--causal-stride", "1", "--device", "cpu"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--lr", "3e-3", "--steps", "40"]) == 0
+    first = json.loads((tmp_path / "a" / "training_record.json").read_text())
+    save_head_ids(tmp_path / "a" / "checkpoint", torch.arange(0, 257, 2))
+    init = str(tmp_path / "a" / "checkpoint")
+    assert main([*args, "--out", str(tmp_path / "b"), "--lr", "1e-12", "--steps", "2", "--init", init]) == 0
+    again = json.loads((tmp_path / "b" / "training_record.json").read_text())
+    assert again["config"]["init"] == init
+    assert again["first_loss"] < 0.8 * first["first_loss"]
+    a, b = (load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "b" / "checkpoint" / "head_ids.safetensors").is_file()
+    capsys.readouterr()
+    assert main([*args, "--own-layers", "0,1", "--out", str(tmp_path / "c"), "--init", init]) != 0  # the last wins
+    assert "--init " + init + " has own_layers 0,2, this run own_layers (0, 1); pass --own-layers 0,2" \
+        in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "c"), "--init", str(tmp_path / "none")]) != 0
+    assert "no ring drafter there (config.json missing)" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_command_refuses_bad_layers_before_loading_anything(tmp_path, capsys) -> None:
     import numpy as np
 

@@ -344,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="target layers whose hidden states feed each position")
     ring.add_argument("--own-layers", default=",".join(map(str, defaults.own_layers)),
                       help="target layers copied as the drafter's own layers at the start (their count: its depth)")
+    ring.add_argument("--init", default=None,
+                      help="start from this trained ring drafter's weights instead of the copied layers: a "
+                      "checkpoint directory train-ring-drafter wrote, or smollm2-ring (the packaged one); its layers, "
+                      "window and block must be this run's. A longer training in more device sessions: --init the "
+                      "last one's checkpoint, with another --seed for other windows")
     return parser
 
 
@@ -467,7 +472,8 @@ def _train_ring_drafter(args: argparse.Namespace) -> int:
                           own_layers=_layer_list(args.own_layers, "--own-layers"), window=args.window, block=args.block,
                           causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
                           anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
-                          warmup=min(50, args.steps // 10))
+                          warmup=min(50, args.steps // 10), init=str(args.init or ""))
+    cfg.check_init()  # before the target loads
     record = train_ring_drafter(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                                 max_seconds=args.max_seconds, stop_after=args.stop_after)
     print(json.dumps(record, indent=2))

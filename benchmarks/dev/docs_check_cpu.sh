@@ -40,6 +40,7 @@ step cli-generate-dustin-t-longspark "$A trtllm-dustin generate --method dustin-
 step cli-prepare-tok1k "$A trtllm-dustin prepare-distill-data --out tok1k.npy --seq-len 1024 --max-windows 4"
 step cli-regenerate-data "$A trtllm-dustin regenerate-data --tokens tok1k.npy --out regen1k.npy --new 64 --batch-size 2 --device cpu"
 step cli-train-ring-drafter "$A trtllm-dustin train-ring-drafter --tokens tok1k.npy --out ring1k --seq-len 1024 --max-seconds 20 --device cpu"
+step cli-train-ring-drafter-init "$A trtllm-dustin train-ring-drafter --tokens tok1k.npy --out ring1k_more --seq-len 1024 --max-seconds 10 --device cpu --init ring1k/checkpoint --seed 1 --lr 3e-4"
 step cli-eval-tau-ring "$A python benchmarks/eval_tau.py --prompts test_prompts.npz --methods classic ring --ring ring1k/checkpoint --contexts 512 --docs 1 --new-tokens 16 --out tau_ring_cpu.json"
 step cli-eval-tau-int8 "$A python benchmarks/eval_tau.py --methods classic ring --ring-weights int8 --draft-weights int8 --gammas 7 --contexts 512 --docs 1 --new-tokens 16 --device cpu --out tau_int8_cpu.json"
 step cli-int8-drafters "$A python benchmarks/dev/int8_drafters.py --docs 1 --out int8_slots.json"

@@ -40,7 +40,8 @@ from trtllm_dustin.plugins.skinny_linear import skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "HEAD_IDS_FILE", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
-           "load_ring_drafter", "random_ring_drafter", "save_head_ids"]
+           "load_ring_drafter", "load_ring_weights", "random_ring_drafter", "read_ring_checkpoint",
+           "save_head_ids"]
 
 RING_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
@@ -496,26 +497,9 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
     from safetensors.torch import load_file
 
     check_drafter_weights(weights)
-
-    directory = _PACKAGED if spec in (None, DEFAULT_RING) else Path(spec)
-    path = directory / "config.json"
-    if not path.is_file():
-        if directory == _PACKAGED:
-            raise ConfigError(f"the packaged ring drafter is missing ({directory}); reinstall the package")
-        raise ConfigError(f"{directory}: no ring drafter there (config.json missing); write one with `trtllm-dustin "
-                          "train-ring-drafter`")
-    config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
+    directory, config = read_ring_checkpoint(spec)
     config.check_target(target.config)
-    weights_file = directory / "model.safetensors"
-    if not weights_file.is_file():
-        raise ConfigError(f"{weights_file} is missing; the ring drafter's checkpoint is incomplete")
-    model = RingDrafter(config, target)
-    state = load_file(str(weights_file))
-    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
-    if missing or unexpected:
-        raise ConfigError(f"{weights_file} does not match its config (missing {sorted(missing)[:3]}, unexpected "
-                          f"{sorted(unexpected)[:3]})")
-    model.load_state_dict(state)
+    model = load_ring_weights(RingDrafter(config, target), directory)
     model = model.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype).requires_grad_(False).eval()
     head = directory / HEAD_IDS_FILE
     if subset_head and head.is_file():
@@ -524,6 +508,37 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
             raise ConfigError(f"{head} holds no 'head_ids' tensor; delete it to propose from the whole vocabulary")
         model.use_head(ids)
     return model.quantize_weights(weights)
+
+
+def load_ring_weights(model: RingDrafter, directory: Path) -> RingDrafter:
+    """The weights of checkpoint `directory` (read_ring_checkpoint's) into `model`, cast to its dtype; the names
+    must be the model's, each one."""
+    from safetensors.torch import load_file
+
+    weights_file = directory / "model.safetensors"
+    state = load_file(str(weights_file))
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ConfigError(f"{weights_file} does not match its config (missing {sorted(missing)[:3]}, unexpected "
+                          f"{sorted(unexpected)[:3]})")
+    model.load_state_dict(state)
+    return model
+
+
+def read_ring_checkpoint(spec: str | Path | None) -> tuple[Path, RingDrafterConfig]:
+    """The directory of ring drafter `spec` (None or "smollm2-ring": the packaged one) and its config, read without
+    loading any weight; its model.safetensors is checked to exist."""
+    directory = _PACKAGED if spec in (None, DEFAULT_RING) else Path(spec)
+    path = directory / "config.json"
+    if not path.is_file():
+        if directory == _PACKAGED:
+            raise ConfigError(f"the packaged ring drafter is missing ({directory}); reinstall the package")
+        raise ConfigError(f"{directory}: no ring drafter there (config.json missing); write one with `trtllm-dustin "
+                          "train-ring-drafter`")
+    config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
+    if not (directory / "model.safetensors").is_file():
+        raise ConfigError(f"{directory / 'model.safetensors'} is missing; the ring drafter's checkpoint is incomplete")
+    return directory, config
 
 
 def random_ring_drafter(target: Transformer, config: RingDrafterConfig, seed: int = 0) -> RingDrafter:

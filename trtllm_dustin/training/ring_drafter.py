@@ -15,6 +15,7 @@ Resumable through the loop it shares with LongSpark (training/windows.py).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,13 @@ import torch
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.decoder import Transformer
-from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig
+from trtllm_dustin.models.ring_drafter import (
+    HEAD_IDS_FILE,
+    RingDrafter,
+    RingDrafterConfig,
+    load_ring_weights,
+    read_ring_checkpoint,
+)
 from trtllm_dustin.training.distill import kd_loss
 from trtllm_dustin.training.longspark import target_features
 from trtllm_dustin.training.windows import check_window_config, train_on_windows, write_trained
@@ -51,6 +58,7 @@ class RingTrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    init: str = ""  # a trained ring drafter to start from (read_ring_checkpoint's spec); "": copies of target layers
 
     def __post_init__(self) -> None:
         for name in ("read_layers", "own_layers"):
@@ -62,6 +70,19 @@ class RingTrainConfig:
 
     def drafter(self, target_fingerprint: str) -> RingDrafterConfig:
         return RingDrafterConfig(self.read_layers, self.own_layers, self.window, self.block, target_fingerprint)
+
+    def check_init(self) -> None:
+        """With `init`: its checkpoint exists and has this run's shape (read_layers, own_layers, window, block), checked
+        from its config alone, before anything loads."""
+        if not self.init:
+            return
+        _, config = read_ring_checkpoint(self.init)
+        for name in ("read_layers", "own_layers", "window", "block"):
+            theirs, mine = getattr(config, name), getattr(self, name)
+            if theirs != mine:
+                value = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
+                raise ConfigError(f"--init {self.init} has {name} {value}, this run {name} {mine}; pass "
+                                  f"--{name.replace('_', '-')} {value} to continue training it")
 
 
 def slot_logits(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
@@ -100,15 +121,26 @@ def train_ring_drafter(tokens_file: str | Path, out_dir: str | Path, cfg: RingTr
     """Train, resumably, and write out_dir/checkpoint (config.json + model.safetensors), the training record and
     the loss curve (.npy and .png)."""
 
+    cfg.check_init()
+
     def build(target: Transformer) -> RingDrafter:
-        return RingDrafter(cfg.drafter(model_fingerprint(target.config)), target)
+        model = RingDrafter(cfg.drafter(model_fingerprint(target.config)), target)
+        if not cfg.init:
+            return model
+        directory, config = read_ring_checkpoint(cfg.init)
+        config.check_target(target.config)
+        return load_ring_weights(model, directory)  # a resumed run then loads its own state over these
 
     def loss(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         return ring_loss(model, target, tokens, anchors, cfg.causal_stride)
 
     model, _, common, losses = train_on_windows(tokens_file, out_dir, cfg, build, loss, "the ring drafter",
                                                 target_spec, device, max_seconds, save_every,
-                                                stop_after=stop_after)
+                                                legacy={"init": ""}, stop_after=stop_after)
     record = {"schema_version": SCHEMA_VERSION, **common}
     write_trained(model, out_dir, record, losses, plot)
+    if cfg.init:  # the subset head it proposed from (vocabulary ids, not trained) serves the continued drafter too
+        head = read_ring_checkpoint(cfg.init)[0] / HEAD_IDS_FILE
+        if head.is_file():
+            shutil.copyfile(head, Path(out_dir) / "checkpoint" / HEAD_IDS_FILE)
     return record
