@@ -86,6 +86,39 @@ def test_the_fused_kernels_serve_a_round_at_a_time_as_training_computes(monkeypa
     assert len(attended) == len(OWN) * (6 + 4 * (G - 1))  # six ingests and four anchors' slot steps
 
 
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_kernel)])
+def test_an_ingest_that_wants_one_row_gives_its_output_and_the_same_ring(fused: bool) -> None:
+    """ingest(output_row=r): each sequence's output at its index r [B] equals the full ingest's there, and the ring
+    (keys, values, positions) is the full ingest's, invalid entries included (module code in float64, and the fused
+    path in float32 under the interpreter)."""
+    from trtllm_dustin.plugins.kernel_config import KernelConfig
+
+    dtype = torch.float32 if fused else torch.float64
+    target = load_model("preset:tiny-llama", dtype=dtype, seed=7).model.eval()
+    target.setup_rope()
+    target.kernels = KernelConfig(fused_elementwise=fused)
+    model = _drafter(target).to(dtype)
+    tokens = torch.randint(2, 250, (2, 12), generator=torch.Generator().manual_seed(8))
+    hidden = _hidden(target, tokens).to(dtype)
+    states, outs = [], []
+    with torch.no_grad():
+        for row in (None, torch.tensor([2, 0])):
+            state = model.new_state(2)
+            pos = torch.arange(8)[None].expand(2, -1).clone()
+            model.ingest(state, tokens[:, :8], hidden[:, :8], pos, torch.ones(2, 8, dtype=torch.bool))
+            pos = torch.arange(8, 8 + G)[None].expand(2, -1).clone()
+            valid = torch.tensor([[True, True, True, False], [True, False, False, False]])
+            outs.append(model.ingest(state, tokens[:, 8:12], hidden[:, 7:11], pos, valid, output_row=row))
+            states.append(state)
+    target.kernels = KernelConfig()
+    torch.testing.assert_close(outs[1], outs[0][torch.arange(2), torch.tensor([2, 0])])
+    C = states[0].positions.shape[1]
+    assert torch.equal(states[0].positions, states[1].positions)
+    for a, b in zip([*states[0].joined_keys, *states[0].joined_values],
+                    [*states[1].joined_keys, *states[1].joined_values], strict=True):
+        torch.testing.assert_close(a[:, :C], b[:, :C])  # the ring rows (the slot rows are scratch on the fused path)
+
+
 def _serve_rounds(model: RingDrafter, assert_close) -> None:
     """forward_train's outputs (the module code: it runs under autograd) against the serving passes (no grad)."""
     target = model.target

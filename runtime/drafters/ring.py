@@ -185,8 +185,9 @@ class RingDrafting:
         the boundary moves to the hidden state at L + accepted."""
         valid = (self._offsets[None] <= self._accepted[:, None]) & self._active[:, None]  # [B, Γ + 1]
         positions = lengths.long()[:, None] + 1 + self._offsets
-        out = self.model.ingest(self.ring, self._entries, self._hidden, positions, valid)  # [B, Γ + 1, H]
+        # [B, H]: cur's output alone (the drafts' rows need only their keys and values in the last layer)
+        out = self.model.ingest(self.ring, self._entries, self._hidden, positions, valid, output_row=self._accepted)
         keep = self._active[:, None]
-        self.first.copy_(torch.where(keep, out[self._rows, self._accepted], self.first))
+        self.first.copy_(torch.where(keep, out, self.first))
         self.boundary.copy_(torch.where(keep[..., None], self._hidden[self._rows, self._accepted], self.boundary))
         return self.boundary

@@ -396,7 +396,8 @@ class RingDrafter(nn.Module):
         return x
 
     def ingest(self, state: RingState, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               valid: torch.Tensor, outputs: bool = True) -> torch.Tensor | None:
+               valid: torch.Tensor, outputs: bool = True, output_row: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
         """Pass committed positions through the layers and write them into the ring: tokens / positions / valid
         [B, n] (distinct ascending positions per row, invalid ones included, each valid one following the ring's
         last; at most block + 2 of them, so that none evicts a row one of them reads, unless the ring holds nothing
@@ -404,7 +405,9 @@ class RingDrafter(nn.Module):
         (the target's at each position - 1) -> outputs [B, n, H]. Invalid entries write nothing into the ring (their
         outputs are meaningless; on the fused path their keys and values go to the slot rows, which the next slot
         steps rewrite before reading); a row whose entries are all invalid keeps its ring as it was. outputs=False:
-        only the ring is wanted (None is returned), and the last layer's attention output and MLP are not run."""
+        only the ring is wanted (None is returned), and the last layer's attention output and MLP are not run.
+        output_row [B] (int64): only each sequence's entry at that index is wanted -> its output [B, H]; the last
+        layer's attention output and MLP run for it alone (the observe pass wants the next `cur`'s)."""
         C, W = state.positions.shape[1], self.config.window
         if tokens.shape[1] > C:
             raise ValueError(f"ingest takes at most {C} positions at a time (the ring's rows), got {tokens.shape[1]}")
@@ -414,6 +417,10 @@ class RingDrafter(nn.Module):
         written = torch.where(valid, positions, state.positions[batch, rows])
         state.positions[batch, rows] = written
         last = len(self.layers) - 1
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # the last layer's rows [B, n, ...] -> [B, 1, ...] at output_row
+            return t if output_row is None else t[batch[:, 0], output_row][:, None]
+
         if self._fused(x):  # the fused path: an invalid entry writes into a slot row (scratch until the next round)
             G = self.config.block
             scratch = C + torch.arange(tokens.shape[1], device=tokens.device) % G
@@ -422,11 +429,13 @@ class RingDrafter(nn.Module):
             for i, (layer, keys, values) in enumerate(zip(self.layers, state.joined_keys, state.joined_values,
                                                           strict=True)):
                 q = self._rope_into(layer, x, rope, keys, values, write)
-                if i == last and not outputs:
-                    return None
+                if i == last:
+                    if not outputs:
+                        return None
+                    q, x, positions = pick(q), pick(x), pick(positions)
                 x = self._finish(layer, x, ring_attention(q, keys, values, state.positions, positions, W, 0,
                                                           pdl=self.target.kernels.pdl).flatten(2))
-            return x
+            return x if output_row is None else x[:, 0]
         # query at p reads the ring rows holding positions in (p - W, p]
         held = state.positions[:, None, :]  # [B, 1, C]
         mask = (held >= 0) & (held <= positions[:, :, None]) & (held > positions[:, :, None] - W)
@@ -435,10 +444,12 @@ class RingDrafter(nn.Module):
             keep = valid[:, :, None, None]
             ring_k[batch, rows] = torch.where(keep, k.to(ring_k.dtype), ring_k[batch, rows])
             ring_v[batch, rows] = torch.where(keep, v.to(ring_v.dtype), ring_v[batch, rows])
-            if i == last and not outputs:
-                return None
+            if i == last:
+                if not outputs:
+                    return None
+                q, x, mask = pick(q), pick(x), pick(mask)
             x = self._finish(layer, x, self._attend(q, ring_k.to(q.dtype), ring_v.to(q.dtype), mask))
-        return x
+        return x if output_row is None else x[:, 0]
 
     def step(self, state: RingState, g: int, tokens: torch.Tensor, previous: torch.Tensor, anchor: torch.Tensor
              ) -> torch.Tensor:
