@@ -237,7 +237,7 @@ def test_training_from_a_trained_drafter_starts_where_it_ended(tmp_path, capsys)
     assert (tmp_path / "b" / "checkpoint" / "head_ids.safetensors").is_file()
     capsys.readouterr()
     assert main([*args, "--own-layers", "0,1", "--out", str(tmp_path / "c"), "--init", init]) != 0  # the last wins
-    assert "--init " + init + " has own_layers 0,2, this run own_layers (0, 1); pass --own-layers 0,2" \
+    assert "--init " + init + " has own_layers 0,2, this run own_layers 0,1; pass --own-layers 0,2" \
         in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path / "c"), "--init", str(tmp_path / "none")]) != 0
     assert "no ring drafter there (config.json missing)" in capsys.readouterr().err

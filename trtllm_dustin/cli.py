@@ -473,7 +473,6 @@ def _train_ring_drafter(args: argparse.Namespace) -> int:
                           causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
                           anchor_stride=args.anchor_stride, steps=args.steps, lr=args.lr, seed=args.seed,
                           warmup=min(50, args.steps // 10), init=str(args.init or ""))
-    cfg.check_init()  # before the target loads
     record = train_ring_drafter(args.tokens, args.out, cfg, target_spec=args.target, device=device,
                                 max_seconds=args.max_seconds, stop_after=args.stop_after)
     print(json.dumps(record, indent=2))

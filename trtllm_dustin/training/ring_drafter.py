@@ -78,11 +78,15 @@ class RingTrainConfig:
             return
         _, config = read_ring_checkpoint(self.init)
         for name in ("read_layers", "own_layers", "window", "block"):
-            theirs, mine = getattr(config, name), getattr(self, name)
+            theirs, mine = (_option(getattr(c, name)) for c in (config, self))
             if theirs != mine:
-                value = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
-                raise ConfigError(f"--init {self.init} has {name} {value}, this run {name} {mine}; pass "
-                                  f"--{name.replace('_', '-')} {value} to continue training it")
+                raise ConfigError(f"--init {self.init} has {name} {theirs}, this run {name} {mine}; pass "
+                                  f"--{name.replace('_', '-')} {theirs} to continue training it")
+
+
+def _option(value: int | tuple[int, ...]) -> str:
+    """A config value as its command-line option takes it ("0,10,20,29" for layers)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def slot_logits(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
