@@ -228,11 +228,7 @@ class RingDrafter(nn.Module):
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
         att = layer.attention
         Hq, Hkv, D = att.num_heads, att.num_kv_heads, att.head_dim
-        if self._fused(x):  # one fused RMSNorm and the skinny-M GEMM
-            kernels, norm = self.target.kernels, layer.attention_norm
-            qkv = project(att.wqkv, add_rms_norm(x, None, norm.weight, norm.eps, pdl=kernels.pdl)[0], kernels)
-        else:
-            qkv = att.wqkv(layer.attention_norm(x))
+        qkv = self._linear(att.wqkv, self._norm(layer.attention_norm, x))  # fused: one RMSNorm kernel, the skinny GEMM
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         cos, sin = self.target.rope_cos[positions], self.target.rope_sin[positions]
         shape = x.shape[:-1]
@@ -244,10 +240,10 @@ class RingDrafter(nn.Module):
         """The fused path's _qkv for positions entering the joined buffers: x [B, n, H] through the fused RMSNorm and
         the skinny GEMM, then one kernel rotates q and k (rope: the cos / sin tables at the positions, [B, n, D/2])
         and writes k and v into keys / values [B, R, H_kv, D] at rows [B, n] -> q [B, n, H_q, D]."""
-        att, kernels = layer.attention, self.target.kernels
-        qkv = project(att.wqkv, self._norm(layer.attention_norm, x), kernels)
+        att = layer.attention
+        qkv = self._linear(att.wqkv, self._norm(layer.attention_norm, x))
         return rope_qkv_to_cache(qkv, *rope, keys.transpose(1, 2), values.transpose(1, 2), rows, att.num_heads,
-                                 att.num_kv_heads, att.head_dim, pdl=kernels.pdl)
+                                 att.num_kv_heads, att.head_dim, pdl=self.target.kernels.pdl)
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -71,17 +71,18 @@ class RingTrainConfig:
     def drafter(self, target_fingerprint: str) -> RingDrafterConfig:
         return RingDrafterConfig(self.read_layers, self.own_layers, self.window, self.block, target_fingerprint)
 
-    def check_init(self) -> None:
+    def check_init(self) -> tuple[Path, RingDrafterConfig] | None:
         """With `init`: its checkpoint exists and has this run's shape (read_layers, own_layers, window, block), checked
-        from its config alone, before anything loads."""
+        from its config alone, before anything loads -> its directory and config (None without `init`)."""
         if not self.init:
-            return
-        _, config = read_ring_checkpoint(self.init)
+            return None
+        directory, config = read_ring_checkpoint(self.init)
         for name in ("read_layers", "own_layers", "window", "block"):
             theirs, mine = (_option(getattr(c, name)) for c in (config, self))
             if theirs != mine:
                 raise ConfigError(f"--init {self.init} has {name} {theirs}, this run {name} {mine}; pass "
                                   f"--{name.replace('_', '-')} {theirs} to continue training it")
+        return directory, config
 
 
 def _option(value: int | tuple[int, ...]) -> str:
@@ -125,14 +126,14 @@ def train_ring_drafter(tokens_file: str | Path, out_dir: str | Path, cfg: RingTr
     """Train, resumably, and write out_dir/checkpoint (config.json + model.safetensors), the training record and
     the loss curve (.npy and .png)."""
 
-    cfg.check_init()
+    init = cfg.check_init()
 
     def build(target: Transformer) -> RingDrafter:
         model = RingDrafter(cfg.drafter(model_fingerprint(target.config)), target)
-        if not cfg.init:
+        if init is None:
             return model
-        directory, config = read_ring_checkpoint(cfg.init)
-        config.check_target(target.config)
+        directory, config = init
+        config.check_target(target.config)  # trained for this target
         return load_ring_weights(model, directory)  # a resumed run then loads its own state over these
 
     def loss(model: RingDrafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -143,8 +144,8 @@ def train_ring_drafter(tokens_file: str | Path, out_dir: str | Path, cfg: RingTr
                                                 legacy={"init": ""}, stop_after=stop_after)
     record = {"schema_version": SCHEMA_VERSION, **common}
     write_trained(model, out_dir, record, losses, plot)
-    if cfg.init:  # the subset head it proposed from (vocabulary ids, not trained) serves the continued drafter too
-        head = read_ring_checkpoint(cfg.init)[0] / HEAD_IDS_FILE
+    if init is not None:  # the subset head it proposed from (vocabulary ids, not trained) serves the continued one too
+        head = init[0] / HEAD_IDS_FILE
         if head.is_file():
             shutil.copyfile(head, Path(out_dir) / "checkpoint" / HEAD_IDS_FILE)
     return record
