@@ -23,7 +23,7 @@ from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, dustin_config, run
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
-from trtllm_dustin.attention import get_backend
+from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.build import build_decoder
@@ -308,6 +308,63 @@ def test_sparse_in_pass_really_restricts(env, vanilla_tokens, method: str) -> No
 def test_sparse_draft_reads_the_pass_choice(env) -> None:
     decoder, _ = run("dustin-ip-sparse-draft", env, dustin=dustin_config(budget=28, m=4, n_recent=8), max_new=10)
     assert torch.equal(decoder.drafter.view.chosen, decoder.selector.indices)
+
+
+def test_the_full_feed_drafter_reads_a_full_pass_where_the_verification_is_sparse(env) -> None:
+    """dustin-ip-ring-full-feed (runtime/experimental/full_feed.py), k = 28 below three of the four prompts: after a
+    round, what the ring drafter was fed, and the boundary it keeps (the hidden state at the last accepted position),
+    are those of a full-attention pass of the target over the round's tokens on the cache as the round found it
+    (a float64 reference pass on a copy); the sparse verification's own hidden states differ from them, so a drafter
+    that read those would fail this. The cache after the round holds the sparse pass's keys and values, and
+    dustin-ip-ring, run beside it, keeps another boundary."""
+    from trtllm_dustin.models.decoder import QueryCapture
+    from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
+    from trtllm_dustin.runtime.state import Progress
+
+    config = dustin_config(budget=28, m=0, n_recent=8)
+    slots = len(PROMPTS)
+    setups = {}
+    for method in ("dustin-ip-ring-full-feed", "dustin-ip-ring"):
+        setup = MethodSetup(target=env.target, target_cache=KVCache.allocate(env.target.config, slots, S_MAX, DTYPE,
+                                                                             env.device),
+                            backend=get_backend(env.backend), gamma=GAMMA, dustin=config, ring=env.ring,
+                            use_cuda_graph=False)
+        setups[method] = build_decoder(method, setup)
+    fed, plain = setups["dustin-ip-ring-full-feed"], setups["dustin-ip-ring"]
+    layers = fed.drafter.target_hidden_layers
+    greedy = SlotSampling.batch(SamplingParams(), slots, env.device, use_kernel=False)
+    with torch.inference_mode():
+        progress = {}
+        for decoder in (fed, plain):
+            progress[decoder] = Progress.allocate(slots, 40, GAMMA, (), env.device)
+            decoder.prefill(slice(0, slots), PROMPTS, chunk=32)
+            decoder.begin(progress[decoder], slice(0, slots), torch.full((slots,), 17, device=env.device), PROMPTS,
+                          30)
+        for round_ in range(3):
+            lengths, cur = fed.state.lengths.clone(), fed.state.cur.clone()
+            cache = KVCache(fed.cache.k.clone(), fed.cache.v.clone(), fed.cache.seqlens.clone())
+            verdict = fed.round(progress[fed], greedy)
+            tokens = torch.cat([cur[:, None], fed.drafter.tokens], dim=1)  # the proposal the round verified
+            want = {layer: torch.zeros(slots, GAMMA + 1, env.target.config.hidden_size, dtype=DTYPE,
+                                       device=env.device) for layer in layers}
+            env.target(tokens, cache, AttentionMetadata(cache_seqlens=lengths), get_backend("reference"),
+                       capture=QueryCapture((), {}, want))
+            rows = torch.arange(slots, device=env.device)
+            for j, layer in enumerate(layers):
+                torch.testing.assert_close(fed.selector.hidden[layer], want[layer])
+                torch.testing.assert_close(fed.drafter.boundary[:, j], want[layer][rows, verdict.accepted])
+            sparse = [b for b in range(slots) if int(lengths[b]) > config.budget]
+            assert len(sparse) == 3
+            assert all(not torch.allclose(fed.verify_hidden[layers[-1]][b], want[layers[-1]][b]) for b in sparse)
+            # the round's keys: the full pass's (in the copy) at layer 0, which reads no attention output; from layer 1
+            # on the sparse pass wrote its own over them
+            for b in sparse:
+                new = slice(int(lengths[b]), int(lengths[b]) + GAMMA + 1)
+                torch.testing.assert_close(fed.cache.k[0, b, :, new], cache.k[0, b, :, new])
+                assert not torch.allclose(fed.cache.k[1, b, :, new], cache.k[1, b, :, new])
+            plain.round(progress[plain], greedy)
+        # the plain method's drafter was fed the sparse states: its ring differs where the verification was sparse
+        assert not torch.allclose(fed.drafter.boundary[sparse], plain.drafter.boundary[sparse])
 
 
 def test_in_pass_on_the_triton_kernels(env, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ COVERED = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-t", "dustin-d",
            "streamingllm", "snapkv", "quest", "dustin-h-adaptive", "longspark", "dustin-h-longspark",
            "dustin-t-longspark", "dustin-h-accum", "dustin-h-kv-head", "dustin-ip", "dustin-ip-pages",
            "dustin-ip-sparse-draft", "dustin-ip-la", "dustin-ip-dense", "dustin-ip-longspark", "ring",
-           "dustin-ip-ring")
+           "dustin-ip-ring", "dustin-ip-ring-full-feed")
 # Evaluation methods that decide for the whole batch on the host (the oracles' extra full pass, periodic full
 # rounds counted per batch): never served, so they have no in-flight parity to keep.
 BATCH_WIDE = ("oracle", "oracle-layer", "oracle-kv-head", "dustin-h-periodic")

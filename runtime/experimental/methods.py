@@ -1,14 +1,15 @@
 """The evaluation-only methods, registered into runtime/methods.py's METHODS (not offered) when this module is
 imported. Each was measured against the offered ones (docs/results.md) and not kept: the oracle ceilings and three
 changes to Dustin-H measured against them at equal k (issue 24), Dustin-H with an input-aware m, two in-pass
-variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter with full verification or in-pass
-selection (issue 38)."""
+variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter with full verification, in-pass
+selection, or in-pass selection fed a full pass's hidden states (issue 38)."""
 
 from __future__ import annotations
 
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter
 from trtllm_dustin.runtime.drafters.ring import RingDrafting
+from trtllm_dustin.runtime.experimental.full_feed import FullFedRingDrafting, FullPassFeed
 from trtllm_dustin.runtime.experimental.oracle import OracleSelector
 from trtllm_dustin.runtime.experimental.periodic import PeriodicFullVerification
 from trtllm_dustin.runtime.methods import (
@@ -49,6 +50,15 @@ def ring_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
     return RingDrafting(setup.ring, setup.target_cache.batch_slots, setup.gamma, graphs, setup.kernels.round_kernels)
 
 
+def _full_fed_ring_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
+    return FullFedRingDrafting(setup.ring, setup.target_cache.batch_slots, setup.gamma, graphs,
+                               setup.kernels.round_kernels)
+
+
+def _full_pass_feed(setup: MethodSetup, drafter: Drafter) -> Selector:
+    return FullPassFeed(in_pass_selector()(setup, drafter), setup.target, setup.target_cache, setup.backend, drafter)
+
+
 EXPERIMENTAL_METHODS: dict[str, Method] = {
     "dustin-h-adaptive": Method(FULL_DRAFT, dustin_selector("h", adaptive=True),
                                 "Dustin-H with m from the draft's confidence (evaluation only)", needs_dustin=True,
@@ -86,5 +96,9 @@ EXPERIMENTAL_METHODS: dict[str, Method] = {
     "dustin-ip-ring": Method(ring_drafter, in_pass_selector(), "the ring drafter, in-pass selection (the "
                              "verification queries pick the set; evaluation only: issue 38)", needs_draft=False,
                              needs_ring=True, needs_dustin=True, sparse=True, offered=False),
+    "dustin-ip-ring-full-feed": Method(_full_fed_ring_drafter, _full_pass_feed, "dustin-ip-ring whose drafter reads "
+                                       "the hidden states of an extra full pass instead of the sparse verification's "
+                                       "(evaluation only: issue 38)", needs_draft=False, needs_ring=True,
+                                       needs_dustin=True, sparse=True, offered=False),
 }
 register_methods(EXPERIMENTAL_METHODS)
