@@ -665,10 +665,14 @@ def test_captured_rounds_on_the_gpu_propose_what_eager_rounds_propose(weights: s
             return proposal
 
         decoder.drafter.propose = spy
-        runs[graphs] = (decoder.generate(prompts, config).tokens, proposals)
+        result = decoder.generate(prompts, config)
+        runs[graphs] = (result.tokens, proposals, result.decoding_rounds)
     vanilla = build_runtime("vanilla", target, batch_slots=3, max_seq_len=96, dtype=torch.bfloat16, device="cuda",
                             use_cuda_graph=False).generate(prompts, config)
     assert runs[True][0] == runs[False][0] == vanilla.tokens
-    assert len(runs[True][1]) == len(runs[False][1]) > 2
-    for captured, eager in zip(runs[True][1], runs[False][1], strict=True):
+    # the rounds with a sequence active; on the GPU the host may queue an idle round or two after the last one (how
+    # many depends on the device's timing: runtime/phases.py FinishCheck), whose proposals nobody reads
+    rounds = runs[True][2]
+    assert runs[False][2] == rounds > 2 and min(len(runs[True][1]), len(runs[False][1])) >= rounds
+    for captured, eager in zip(runs[True][1][:rounds], runs[False][1][:rounds], strict=True):
         assert torch.equal(captured, eager)
