@@ -340,7 +340,7 @@ def test_the_full_feed_drafter_reads_a_full_pass_where_the_verification_is_spars
             decoder.prefill(slice(0, slots), PROMPTS, chunk=32)
             decoder.begin(progress[decoder], slice(0, slots), torch.full((slots,), 17, device=env.device), PROMPTS,
                           30)
-        for round_ in range(3):
+        for _ in range(3):
             lengths, cur = fed.state.lengths.clone(), fed.state.cur.clone()
             cache = KVCache(fed.cache.k.clone(), fed.cache.v.clone(), fed.cache.seqlens.clone())
             verdict = fed.round(progress[fed], greedy)
@@ -417,6 +417,37 @@ def test_search_finds_the_layer_whose_attention_is_everyones() -> None:
     per_layer = objective.per_layer([(2, "all")], 32)
     assert all(0 < v <= 1 for v in per_layer) and per_layer[2] == max(per_layer)
     assert objective.text_arr([(2, "all")], 32, dense=2) > objective.text_arr([(2, "all")], 32)
+
+
+def test_phase_b_with_earlier_adds_a_layer_below_the_first_when_the_lower_layers_attend_elsewhere() -> None:
+    """Layers 0-1 attend where layer 0's queries look, layers 2-4 where layer 2's do: phase A chooses layer 2 (it
+    serves three layers), phase B finds nothing above it, and with `earlier` adds layer 0, which chooses for layers
+    0-1 what they attend to, where they read layer 2's set of the previous round before."""
+    torch.manual_seed(4)
+    settings = TraceSettings(window=96, steps=8, gamma=3, max_delta=2, documents=2, sources=("x",))
+    S, n, layers = settings.window, settings.captured, 5
+    low, high = torch.rand(2, n, S) ** 8, torch.rand(2, n, S) ** 8
+    maps = torch.stack([low if layer == 0 else high if layer == 2 else torch.rand(2, n, S) for layer in range(layers)])
+    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(2).to(torch.int32)
+    context = torch.arange(S)[None, :] < seqlens.long()[:, None]
+
+    def truth(base: torch.Tensor) -> torch.Tensor:
+        window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
+                     for t in range(settings.gamma + 1)).reshape(-1, S) * context
+        return window / window.sum(-1, keepdim=True)
+
+    truths = torch.stack([truth(low if layer < 2 else high) for layer in range(layers)])
+    trace = AttentionTrace(settings, ("d0", "d1"), tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (),
+                           seqlens, truths, maps, None)
+    outcomes = {earlier: search_selection_layers(InPassObjective(SearchTraces(trace), InPassSettings(
+        budgets=(32,), lag=2, max_layers=2, max_pool=0, n_recent=8, earlier=earlier)), progress=False)
+        for earlier in (False, True)}
+    assert outcomes[False].layers == ((2, "all"),)
+    assert set(outcomes[False].phase_b[0]) == {(3, "all"), (4, "all")}  # later layers only
+    assert outcomes[True].layers == ((0, "all"), (2, "all")) and outcomes[True].value > outcomes[False].value
+    objective = InPassObjective(SearchTraces(trace), InPassSettings(budgets=(32,), lag=2, n_recent=8))
+    with_low, without = objective.per_layer([(0, "all"), (2, "all")], 32), objective.per_layer([(2, "all")], 32)
+    assert with_low[0] > without[0] and with_low[1] > without[1] and with_low[2:] == without[2:]
 
 
 def test_needle_recall_counts_the_needle_tokens_in_every_layers_set() -> None:

@@ -395,6 +395,9 @@ def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between a round's choice and the next round's pre-pass")
     parser.add_argument("--max-layers", type=int, default=InPassSettings.max_layers,
                         help="selection layers at most")
+    parser.add_argument("--earlier-selection", action="store_true",
+                        help="phase B also tries layers below the first selection layer (each chooses a fresh set for "
+                        "the layers up to the next selection layer)")
     parser.add_argument("--min-gain", type=float, default=InPassSettings.min_gain,
                         help="objective a re-selection or pooled layer must add")
     parser.add_argument("--max-pool", type=int, default=InPassSettings.max_pool,
@@ -437,7 +440,7 @@ def layers_command(args: argparse.Namespace) -> int:
     base = DustinConfig.load(args.config or default_dustin_config_path())
     settings = InPassSettings(budgets=tuple(args.budgets), lag=args.lag, max_layers=args.max_layers,
                               min_gain=args.min_gain, max_pool=args.max_pool, n_sink=base.n_sink,
-                              n_recent=base.n_recent)
+                              n_recent=base.n_recent, earlier=args.earlier_selection)
     text_settings = _trace_settings(args)
     srh = SRHResult.load(args.srh) if args.srh else None
     target = load_model(args.target, device=device, seed=args.seed)

@@ -9,7 +9,9 @@ set. This extends the search with two phases over teacher-forced traces of the t
            over those heads), read by l and the following layers; the layers before l read the previous round's
            choice (`lag` steps back)
   phase B  greedily add a re-selection candidate at a later layer while it raises the objective by `min_gain`, at
-           most `max_layers` selection layers in all (each costs one more scoring pass over K)
+           most `max_layers` selection layers in all (each costs one more scoring pass over K); with `earlier`, a
+           layer below the first selection layer is a candidate too: it chooses a set for the layers up to the next
+           selection layer, which would otherwise read the previous round's
   phase C  greedily add a pooled candidate below the first selection layer, whose scores are summed into that
            layer's before it chooses, while it raises the objective by `min_gain`, at most `max_pool` (each costs
            one more scoring pass over K; the oracle's set sums every layer's attention)
@@ -45,6 +47,8 @@ class InPassSettings:
     max_layers: int = 2  # selection layers in all (the first chooses, the others re-select)
     min_gain: float = 0.002  # phases B and C add a layer only if the objective rises by this much
     max_pool: int = 3  # phase C: pooled layers in all
+    earlier: bool = False  # phase B also tries layers below the first selection layer (each chooses for the layers
+    #                        up to the next selection layer, which chooses again)
     n_sink: int = 4
     n_recent: int = 16
 
@@ -215,7 +219,9 @@ def search_selection_layers(objective: InPassObjective, progress: bool = True) -
     best = phase_a[chosen[0]]
     phase_b: list[dict[Candidate, float]] = []
     while len(chosen) < settings.max_layers:
-        later = [c for c in objective.candidates if c[0] > chosen[-1][0]]
+        taken = {c[0] for c in chosen}
+        later = [c for c in objective.candidates
+                 if c[0] > chosen[-1][0] or (settings.earlier and c[0] not in taken)]
         if not later:
             break
         scores = {c: objective.mean([*chosen, c]) for c in tqdm(
@@ -224,7 +230,7 @@ def search_selection_layers(objective: InPassObjective, progress: bool = True) -
         pick = max(scores, key=lambda c: order(c, scores[c]))
         if scores[pick] < best + settings.min_gain:
             break
-        chosen.append(pick)
+        chosen = sorted([*chosen, pick])
         best = scores[pick]
     pool: list[Candidate] = []
     phase_c: list[dict[Candidate, float]] = []
