@@ -12,6 +12,7 @@ OFFERED = ("vanilla", "classic", "magicdec", "dustin-h", "dustin-t", "dustin-d",
            "dustin-t-longspark", "dustin-ip-longspark")
 # The evaluation-only methods that runtime/experimental/ adds, in its order.
 EXPERIMENTAL = ("dustin-h-adaptive", "oracle", "oracle-layer", "oracle-kv-head", "dustin-h-accum", "dustin-h-kv-head",
-                "dustin-h-periodic", "dustin-ip-la", "dustin-ip-dense", "dustin-h-longspark", "ring", "dustin-ip-ring")
+                "dustin-h-periodic", "dustin-ip-la", "dustin-ip-dense", "dustin-h-longspark", "ring", "dustin-ip-ring",
+                "dustin-ip-ring-full-feed")
 # The registry once runtime/experimental/ is imported.
 REGISTERED = OFFERED + EXPERIMENTAL
