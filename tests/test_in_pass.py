@@ -397,14 +397,26 @@ def _synthetic_trace(layers: int, peaked: int, documents: int = 2) -> tuple[Atte
     base = torch.rand(documents, n, S) ** 8
     maps = torch.stack([base if layer == peaked else base.roll(7 * (layer + 1), dims=-1) * 0.3 + torch.rand(
         documents, n, S) for layer in range(layers)])
-    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(documents).to(torch.int32)
-    context = torch.arange(S)[None, :] < seqlens.long()[:, None]
-    window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
-                 for t in range(settings.gamma + 1)).reshape(-1, S) * context
-    truth = (window / window.sum(-1, keepdim=True))[None].expand(layers, -1, -1).contiguous()
+    seqlens = _seqlens(settings)
+    truth = _truth(base, settings, seqlens)[None].expand(layers, -1, -1).contiguous()
     trace = AttentionTrace(settings, tuple(f"d{i}" for i in range(documents)),
                            tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (), seqlens, truth, maps, None)
     return trace, base
+
+
+def _seqlens(settings: TraceSettings) -> torch.Tensor:
+    """int32 [documents * steps]: each captured step's committed length."""
+    return (settings.first_length + torch.arange(settings.steps)).repeat(settings.documents).to(torch.int32)
+
+
+def _truth(base: torch.Tensor, settings: TraceSettings, seqlens: torch.Tensor) -> torch.Tensor:
+    """[documents * steps, S]: the verification attention of maps `base` [documents, captured, S] (the Γ + 1
+    queries' rows summed over the causal context), normalised per step."""
+    S = settings.window
+    context = torch.arange(S)[None, :] < seqlens.long()[:, None]
+    window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
+                 for t in range(settings.gamma + 1)).reshape(-1, S) * context
+    return window / window.sum(-1, keepdim=True)
 
 
 def test_search_finds_the_layer_whose_attention_is_everyones() -> None:
@@ -428,15 +440,8 @@ def test_phase_b_with_earlier_adds_a_layer_below_the_first_when_the_lower_layers
     S, n, layers = settings.window, settings.captured, 5
     low, high = torch.rand(2, n, S) ** 8, torch.rand(2, n, S) ** 8
     maps = torch.stack([low if layer == 0 else high if layer == 2 else torch.rand(2, n, S) for layer in range(layers)])
-    seqlens = (settings.first_length + torch.arange(settings.steps)).repeat(2).to(torch.int32)
-    context = torch.arange(S)[None, :] < seqlens.long()[:, None]
-
-    def truth(base: torch.Tensor) -> torch.Tensor:
-        window = sum(base[:, settings.max_delta + t: settings.max_delta + t + settings.steps]
-                     for t in range(settings.gamma + 1)).reshape(-1, S) * context
-        return window / window.sum(-1, keepdim=True)
-
-    truths = torch.stack([truth(low if layer < 2 else high) for layer in range(layers)])
+    seqlens = _seqlens(settings)
+    truths = torch.stack([_truth(low if layer < 2 else high, settings, seqlens) for layer in range(layers)])
     trace = AttentionTrace(settings, ("d0", "d1"), tuple(LayerHeads(layer, (0,)) for layer in range(layers)), (),
                            seqlens, truths, maps, None)
     outcomes = {earlier: search_selection_layers(InPassObjective(SearchTraces(trace), InPassSettings(

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from trtllm_dustin.attention import AttentionBackend, AttentionMetadata, InPassSelection
+from trtllm_dustin.attention import AttentionBackend, InPassSelection
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models.decoder import QueryCapture, Transformer
 from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.drafters.ring import RingDrafting
+from trtllm_dustin.runtime.experimental.oracle import full_pass
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, RoundState
 
@@ -87,10 +88,8 @@ class FullPassFeed(Selector):
     def estimate(self, lengths: torch.Tensor) -> Any:
         if self.state is None:
             raise RuntimeError("FullPassFeed: bind(decoder.state) first (the Decoder does when it is built)")
-        self._tokens[:, 0] = self.state.cur
-        self._tokens[:, 1:] = self.drafter.tokens
-        self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
-                    capture=self._capture)
+        full_pass(self.target, self.cache, self.backend, self._tokens, self.state.cur, self.drafter.tokens, lengths,
+                  self._capture)
         return self.inner.estimate(lengths)
 
     def select(self, lengths: torch.Tensor, scores: Any) -> torch.Tensor | None:

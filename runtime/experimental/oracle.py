@@ -29,7 +29,7 @@ from trtllm_dustin.runtime.drafter import PrefillView
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.state import Observation, RoundState
 
-__all__ = ["ORACLE_KINDS", "LayerSets", "OracleSelector", "attention_mass", "top_k_set"]
+__all__ = ["ORACLE_KINDS", "LayerSets", "OracleSelector", "attention_mass", "full_pass", "top_k_set"]
 
 ORACLE_KINDS = ("all", "layer", "kv-head")
 
@@ -48,6 +48,16 @@ def attention_mass(q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor
     group = heads_q // heads_kv
     return torch.stack([srh_score(q, k_cache, lengths, tuple(range(g * group, (g + 1) * group)))
                         for g in range(heads_kv)], dim=1)
+
+
+def full_pass(target: Transformer, cache: KVCache, backend: AttentionBackend, tokens: torch.Tensor, cur: torch.Tensor,
+              drafts: torch.Tensor, lengths: torch.Tensor, capture: QueryCapture) -> None:
+    """The target with full attention over each slot's round, `cur` [B] then the drafts [B, Γ], gathered into the
+    preallocated `tokens` [B, Γ + 1], keeping what `capture` asks for. It writes the round's keys and values at
+    L_b .. L_b + Γ; the verification pass after it writes its own over them."""
+    tokens[:, 0] = cur
+    tokens[:, 1:] = drafts
+    target(tokens, cache, AttentionMetadata(cache_seqlens=lengths), backend, capture=capture)
 
 
 def top_k_set(scores: torch.Tensor, lengths: torch.Tensor, budget: int, batch_axis: int = 0) -> torch.Tensor:
@@ -103,10 +113,8 @@ class OracleSelector(Selector):
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor:
         if self.state is None:
             raise RuntimeError("OracleSelector: bind(decoder.state) first (the Decoder does when it is built)")
-        self._tokens[:, 0] = self.state.cur
-        self._tokens[:, 1:] = self.draft_tokens
-        self.target(self._tokens, self.cache, AttentionMetadata(cache_seqlens=lengths), self.backend,
-                    capture=self._capture)
+        full_pass(self.target, self.cache, self.backend, self._tokens, self.state.cur, self.draft_tokens, lengths,
+                  self._capture)
         layers = range(self.target.config.num_layers)
         if self.kind == "all":  # summed over the layers in place
             for layer in layers:
