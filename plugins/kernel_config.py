@@ -11,6 +11,7 @@ graph therefore replays exactly what the config said when it was captured.
   TRTLLM_DUSTIN_SKINNY_PDL           skinny_pdl           "1" / "0"
   TRTLLM_DUSTIN_SKINNY_TIES          skinny_ties          "1" / "0"
   TRTLLM_DUSTIN_ROUND_KERNELS        round_kernels        "1" / "0"
+  TRTLLM_DUSTIN_INT8_WIDE            int8_wide            "1" / "0"
   TRTLLM_DUSTIN_LINEAR_TACTICS       linear_tactics       path of a bf16 tactic table file (linear_tactics.py)
   TRTLLM_DUSTIN_INT8_LINEAR_TACTICS  int8_linear_tactics  path of an int8 tactic table file (int8 weights' shapes)
 Unset or empty leaves the default.
@@ -36,6 +37,7 @@ ENV_SWITCHES = {
     "TRTLLM_DUSTIN_SKINNY_PDL": "skinny_pdl",
     "TRTLLM_DUSTIN_SKINNY_TIES": "skinny_ties",
     "TRTLLM_DUSTIN_ROUND_KERNELS": "round_kernels",
+    "TRTLLM_DUSTIN_INT8_WIDE": "int8_wide",
     "TRTLLM_DUSTIN_LINEAR_TACTICS": "linear_tactics",
     "TRTLLM_DUSTIN_INT8_LINEAR_TACTICS": "int8_linear_tactics",
 }
@@ -64,6 +66,11 @@ class KernelConfig:
     skinny_ties: bool = True
     # The row argmax and the round commit as Triton kernels (else their torch references).
     round_kernels: bool = True
+    # A weight-only int8 projection called with more than INT8_WIDE_ROWS (64) rows (the int8 table's 128-row bucket:
+    # the ring drafter's observe pass at B = 16) runs cuBLAS on a copy of its dequantized weight in the model's dtype,
+    # kept beside the int8 one by drafters quantized while this is on (models/quantize.py, Int8Linear.keep_wide); the
+    # skinny kernel reading int8 is slower than cuBLAS there. Costs the copy's memory.
+    int8_wide: bool = True
     # Path of the skinny-GEMM tactic table of bf16 / fp16 weights; None: the packaged H200 table
     # (tactics/skinny_linear_h200.json).
     linear_tactics: str | None = None
@@ -76,7 +83,7 @@ class KernelConfig:
     int8_tactics: LinearTactics = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("pdl", "skinny_linear", "skinny_pdl", "skinny_ties", "round_kernels"):
+        for name in ("pdl", "skinny_linear", "skinny_pdl", "skinny_ties", "round_kernels", "int8_wide"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"KernelConfig.{name}={value!r} must be True or False")

@@ -42,8 +42,8 @@ def test_no_switches_set_gives_the_defaults(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     assert KernelConfig.from_env() == KernelConfig.from_env({}) == KernelConfig()
     assert KernelConfig() == KernelConfig(pdl=True, fused_elementwise=None, skinny_linear=True, skinny_pdl=True,
-                                          skinny_ties=True, round_kernels=True, linear_tactics=None,
-                                          int8_linear_tactics=None)
+                                          skinny_ties=True, round_kernels=True, int8_wide=True,
+                                          linear_tactics=None, int8_linear_tactics=None)
 
 
 @pytest.mark.parametrize("variable", ON_OFF)

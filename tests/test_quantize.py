@@ -13,6 +13,7 @@ from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.quantize import (
+    INT8_WIDE_ROWS,
     Int8Linear,
     check_drafter_weights,
     project,
@@ -90,6 +91,36 @@ def test_project_runs_the_kernel_on_int8_and_on_model_weights() -> None:
         ref = F.linear(x.double(), weight.double())
         assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 40)
         assert ((got.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+
+
+@needs_kernel
+def test_calls_of_many_rows_take_the_wide_copy_and_calls_of_few_the_int8_kernel() -> None:
+    """keep_wide: the dequantized weight in the model's dtype; `project` takes cuBLAS on it for more than
+    INT8_WIDE_ROWS rows with KernelConfig.int8_wide on, and the int8 kernel for fewer rows, with the switch off or
+    without a copy. The copy is then marked (doubled) so that only a call that reads it can match."""
+    gen = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=gen) / 10)
+        linear.bias.copy_(torch.randn(40, generator=gen))
+    linear = linear.to(DEVICE, torch.bfloat16)
+    int8, plain = quantize_int8(linear).to(DEVICE), quantize_int8(linear).to(DEVICE)
+    assert int8.wide is None
+    assert int8.keep_wide(torch.bfloat16) is int8 and plain.wide is None
+    assert int8.wide.dtype == torch.bfloat16 and torch.equal(int8.wide, int8.dequantized().to(torch.bfloat16))
+    many = torch.randn(2, INT8_WIDE_ROWS // 2 + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # 66 rows
+    few = many[:, : INT8_WIDE_ROWS // 2]  # 64 rows
+    on, off = KernelConfig(), KernelConfig(int8_wide=False)
+    ref = F.linear(many.double(), int8.dequantized().double(), linear.bias.double())
+    for got in (project(int8, many, on), project(int8, many, off)):
+        assert got.shape == (2, INT8_WIDE_ROWS // 2 + 1, 40) and got.dtype == torch.bfloat16
+        assert ((got.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+    int8.wide = int8.wide * 2  # the mark
+    assert torch.equal(project(int8, many, on), F.linear(many, int8.wide, int8.bias))
+    assert torch.equal(project(int8, many, off), project(plain, many, on))  # off: the int8 kernel
+    assert torch.equal(project(int8, few, on), project(plain, few, on))  # few rows: the int8 kernel
+    with pytest.raises(ValueError, match="keep_wide takes a float dtype"):
+        int8.keep_wide(torch.int8)
 
 
 @needs_kernel

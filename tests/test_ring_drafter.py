@@ -11,6 +11,7 @@ from helpers.kernels import needs_cuda, needs_kernel
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.ring_drafter import RingDrafter, RingDrafterConfig
+from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.training.longspark import target_features
 
 READ, OWN, W, G = (0, 1), (0, 2), 6, 4
@@ -612,6 +613,24 @@ def test_int8_weights_halve_what_the_layers_and_head_hold_and_move_the_outputs_l
     assert torch.equal(torch.isneginf(logits_after), torch.isneginf(logits_before))
     inside = logits_before[..., ids]
     assert ((logits_after[..., ids] - inside).abs().max() < 0.05 * inside.abs().max())
+
+
+def test_int8_layers_keep_a_wide_copy_when_the_kernel_config_asks(target, monkeypatch) -> None:
+    """KernelConfig.int8_wide (on by default): every int8 projection of the own layers keeps its dequantized weight in
+    the drafter's dtype for the observe pass's wide calls; off, none is kept (no memory spent). The subset head's
+    rows (always few-row calls) keep none."""
+    from trtllm_dustin.models.quantize import Int8Linear
+
+    kept = _drafter(target).use_head(torch.arange(0, 257, 2)).quantize_weights("int8")
+    wide = [m for layer in kept.layers for m in layer.modules() if isinstance(m, Int8Linear)]
+    assert len(wide) == 4 * len(OWN)
+    for m in wide:
+        assert m.wide is not None and m.wide.dtype == kept.dtype
+        assert torch.equal(m.wide, m.dequantized().to(kept.dtype))
+    monkeypatch.setattr(target, "kernels", KernelConfig(int8_wide=False))
+    bare = _drafter(target).quantize_weights("int8")
+    assert all(m.wide is None for layer in bare.layers for m in layer.modules() if isinstance(m, Int8Linear))
+    assert bare.weights == kept.weights == "int8"
 
 
 def test_quantizing_is_refused_where_it_cannot_apply(target, tmp_path) -> None:

@@ -8,21 +8,29 @@ sizes its projections are weight streams, and int8 halves their bytes. The targe
 Rounding is symmetric per output row: scale = max |w| / 127 and q = round(w / scale), so every row's largest weight
 is exact and the error of any weight is at most scale / 2. On the fused path (`project`) the skinny-M kernel reads
 the int8 weight as it lies (plugins/skinny_linear.py); the module code (`Int8Linear.forward`) widens it first.
+
+Wide calls: reading int8 costs the kernel a widening of each weight tile before its MMA, which a weight stream of a
+few rows hides and a call of many rows does not (the H200 sweep: 188 against 136 us per Llama-8B-width layer at 128
+rows, `benchmarks/results/longspark2/README.md`, eighth step). A drafter quantized while `KernelConfig.int8_wide` is on
+keeps a copy of each dequantized weight in the model's dtype (`Int8Linear.keep_wide`), and `project` runs calls of
+more than INT8_WIDE_ROWS rows on it through cuBLAS; the few-row calls (slot steps) still read int8.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.skinny_linear import SplitKWorkspace, skinny_linear, skinny_linear_ref
 
-__all__ = ["DRAFTER_WEIGHTS", "Int8Linear", "check_drafter_weights", "project", "quantize_draft", "quantize_int8",
-           "quantize_linears", "quantize_rows"]
+__all__ = ["DRAFTER_WEIGHTS", "INT8_WIDE_ROWS", "Int8Linear", "check_drafter_weights", "project", "quantize_draft",
+           "quantize_int8", "quantize_linears", "quantize_rows"]
 
 DRAFTER_WEIGHTS = ("model", "int8")  # --ring-weights / --draft-weights: the model's own dtype, or weight-only int8
+INT8_WIDE_ROWS = 64  # calls of more rows take an Int8Linear's wide copy, where it has one (KernelConfig.int8_wide)
 
 
 class Int8Linear(nn.Module):
@@ -37,6 +45,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("wide", None)  # keep_wide: the dequantized weight in a float dtype, for wide calls
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +54,15 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight it stands for, fp32 [N, K]."""
         return self.weight.float() * self.scale[:, None]
+
+    def keep_wide(self, dtype: torch.dtype) -> Int8Linear:
+        """Keep the dequantized weight in `dtype` beside the int8 one (on the int8 weight's device), for the fused
+        path's calls of more than INT8_WIDE_ROWS rows (`project`). The copy holds dtype-sized weights again: 2 bytes
+        per weight in bf16, on top of the int8 byte."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"Int8Linear.keep_wide takes a float dtype (the model's), got {dtype}")
+        self.wide = self.dequantized().to(dtype).contiguous()
+        return self
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -86,8 +104,13 @@ def quantize_draft(model: nn.Module, kind: str) -> nn.Module:
 def project(layer: nn.Module, x: torch.Tensor, kernels: KernelConfig,
             workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """layer(x) on the fused decode path: the skinny-M GEMM with the layer's weight as it is stored (an Int8Linear's
-    int8 weight and scales; an nn.Linear's weight in the model's dtype)."""
-    scale = layer.scale if isinstance(layer, Int8Linear) else None
+    int8 weight and scales; an nn.Linear's weight in the model's dtype). An Int8Linear called with more than
+    INT8_WIDE_ROWS rows, with `kernels.int8_wide` on, takes cuBLAS on its wide copy where it keeps one."""
+    scale = None
+    if isinstance(layer, Int8Linear):
+        if layer.wide is not None and kernels.int8_wide and x.numel() > INT8_WIDE_ROWS * x.shape[-1]:
+            return F.linear(x, layer.wide, layer.bias)
+        scale = layer.scale
     return skinny_linear(x, layer.weight, layer.bias, workspace, kernels=kernels, scale=scale)
 
 

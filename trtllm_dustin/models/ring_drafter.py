@@ -196,14 +196,20 @@ class RingDrafter(nn.Module):
         """Serve with `kind` weights: "model" leaves them as they are; "int8" rounds every projection of the own
         layers, and the subset head's rows where there is one, to weight-only int8 with one scale per output row
         (models/quantize.py). What a slot step reads from them halves; F, P and the norms stay in the model's
-        dtype. Proposals change (tau is measured per kind), never what decoding commits. Call it after use_head,
-        once, on a drafter that will not be trained further."""
+        dtype. Proposals change (tau is measured per kind), never what decoding commits. With the target's
+        `kernels.int8_wide` on, each int8 projection also keeps its dequantized weight in the drafter's dtype, which
+        the observe pass's wide calls read (models/quantize.py). Call it after use_head, once, on a drafter that will
+        not be trained further, in the dtype and on the device it serves in."""
         if check_drafter_weights(kind) == "model":
             return self
         if self.weights != "model":
             raise ConfigError(f"this ring drafter is already {self.weights}")
         for layer in self.layers:
             quantize_linears(layer)
+            if self.target.kernels.int8_wide:
+                for module in layer.modules():
+                    if isinstance(module, Int8Linear):
+                        module.keep_wide(self.dtype)
         if self._head_rows is not None:
             self._head_rows, self._head_scale = quantize_rows(self._head_rows)
         return self
