@@ -73,6 +73,8 @@ SWITCHES = {
     "skinny-ties": ("skinny_ties", "PDL launches of the skinny GEMM also take the shapes where it tied with cuBLAS"),
     "round-kernels": ("round_kernels", "greedy argmax and the round commit as Triton kernels "
                       "(plugins/argmax.py, commit.py) instead of torch ops"),
+    "int8-wide": ("int8_wide", "int8 drafter projections of more than 64 rows (the ring drafter's observe pass at "
+                  "B = 16) on cuBLAS with a dequantized copy of the weight (models/quantize.py)"),
 }
 
 
