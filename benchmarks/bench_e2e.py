@@ -79,9 +79,12 @@ SWITCHES = {
 
 
 def add_kernel_switches(parser: argparse.ArgumentParser) -> None:
-    """--FLAG off|on for each switch of SWITCHES (the benches' A/B runs); kernel_config(args) reads them back."""
-    for flag, (_, about) in SWITCHES.items():
-        parser.add_argument(f"--{flag}", choices=["off", "on"], default="on", help=f"{about} (default: on)")
+    """--FLAG off|on for each switch of SWITCHES (the benches' A/B runs), each defaulting to KernelConfig's default
+    (None counts as on); kernel_config(args) reads them back."""
+    defaults = KernelConfig()
+    for flag, (name, about) in SWITCHES.items():
+        default = "off" if getattr(defaults, name) is False else "on"
+        parser.add_argument(f"--{flag}", choices=["off", "on"], default=default, help=f"{about} (default: {default})")
 
 
 def kernel_config(args: argparse.Namespace) -> KernelConfig:

@@ -69,8 +69,10 @@ class KernelConfig:
     # A weight-only int8 projection called with more than INT8_WIDE_ROWS (64) rows (the int8 table's 128-row bucket:
     # the ring drafter's observe pass at B = 16) runs cuBLAS on a copy of its dequantized weight in the model's dtype,
     # kept beside the int8 one by drafters quantized while this is on (models/quantize.py, Int8Linear.keep_wide); the
-    # skinny kernel reading int8 is slower than cuBLAS there. Costs the copy's memory.
-    int8_wide: bool = True
+    # skinny kernel reading int8 was slower than cuBLAS there in the H200 sweep. Costs the copy's memory. Off by
+    # default: at B = 16 on an H100 the ring method's round took the same time either way (11.973 / 11.976 ms,
+    # benchmarks/results/longspark2/README.md, twelfth step); not timed on the H200.
+    int8_wide: bool = False
     # Path of the skinny-GEMM tactic table of bf16 / fp16 weights; None: the packaged H200 table
     # (tactics/skinny_linear_h200.json).
     linear_tactics: str | None = None

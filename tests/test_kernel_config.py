@@ -42,7 +42,7 @@ def test_no_switches_set_gives_the_defaults(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     assert KernelConfig.from_env() == KernelConfig.from_env({}) == KernelConfig()
     assert KernelConfig() == KernelConfig(pdl=True, fused_elementwise=None, skinny_linear=True, skinny_pdl=True,
-                                          skinny_ties=True, round_kernels=True, int8_wide=True,
+                                          skinny_ties=True, round_kernels=True, int8_wide=False,
                                           linear_tactics=None, int8_linear_tactics=None)
 
 
@@ -52,7 +52,8 @@ def test_each_on_off_switch_sets_only_its_field(variable: str) -> None:
     off = KernelConfig.from_env({variable: "0"})
     assert getattr(off, field) is False
     assert off == replace(KernelConfig(), **{field: False})  # nothing else moved
-    assert KernelConfig.from_env({variable: "1"}) == KernelConfig()
+    on = KernelConfig.from_env({variable: "1"})
+    assert getattr(on, field) is True and on == replace(KernelConfig(), **{field: True})
     assert KernelConfig.from_env({variable: ""}) == KernelConfig()  # set but empty: the default
 
 

@@ -110,7 +110,7 @@ def test_calls_of_many_rows_take_the_wide_copy_and_calls_of_few_the_int8_kernel(
     assert int8.wide.dtype == torch.bfloat16 and torch.equal(int8.wide, int8.dequantized().to(torch.bfloat16))
     many = torch.randn(2, INT8_WIDE_ROWS // 2 + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # 66 rows
     few = many[:, : INT8_WIDE_ROWS // 2]  # 64 rows
-    on, off = KernelConfig(), KernelConfig(int8_wide=False)
+    on, off = KernelConfig(int8_wide=True), KernelConfig()  # off by default
     ref = F.linear(many.double(), int8.dequantized().double(), linear.bias.double())
     for got in (project(int8, many, on), project(int8, many, off)):
         assert got.shape == (2, INT8_WIDE_ROWS // 2 + 1, 40) and got.dtype == torch.bfloat16
