@@ -9,8 +9,8 @@
 #                                                     quality_tasks.json.gz}, .whl/gguf-0.19.0 and the sweep's configs
 #                                                     .carry/c/recent{16,64,128,256}.json for run_fidelity2_h200.sh
 #   bash benchmarks/dev/prepare_carry.sh tree-on      leave the results and the packaged weights (not the Dustin
-#                                                     config) out of what a call copies (the tree plus a carry must
-#                                                     stay under 64 MiB)
+#                                                     config, nor the sweeps the packaged tactic table names) out of
+#                                                     what a call copies (the tree plus a carry must stay under 64 MiB)
 #   bash benchmarks/dev/prepare_carry.sh tree-off     put them back; always before a commit
 #
 # The session plans that use these files are in the two scripts' headers.
@@ -62,11 +62,13 @@ PY
   ;;
 tree-on)
   # the Dustin configs stay: random-weight runs read them (bench_e2e takes its placeholder depths from
-  # smollm2_draft/dustin.json); a weights folder with its configs but no weights would fail less clearly
+  # smollm2_draft/dustin.json); a weights folder with its configs but no weights would fail less clearly. So do the
+  # sweeps the packaged tactic table names (about 0.2 MB): a GPU test checks that they exist
   configs=$(git ls-files 'trtllm_dustin/weights/*/dustin.json')
+  sweeps=$(python3 -c "import json; print(' '.join(s['file'] for s in json.load(open('plugins/tactics/skinny_linear_h200.json'))['sweeps']))")
   git rm -r -q --cached benchmarks/results trtllm_dustin/weights
   # shellcheck disable=SC2086
-  git reset -q HEAD -- $configs
+  git reset -q HEAD -- $configs $sweeps
   printf '/.carry/\n/benchmarks/results/\n/trtllm_dustin/weights/\n' > "$exclude"
   echo "results and weights (but the Dustin config) left out of the device's copy; run tree-off before committing"
   ;;
