@@ -108,6 +108,7 @@ def test_calls_of_many_rows_take_the_wide_copy_and_calls_of_few_the_int8_kernel(
     assert int8.wide is None
     assert int8.keep_wide(torch.bfloat16) is int8 and plain.wide is None
     assert int8.wide.dtype == torch.bfloat16 and torch.equal(int8.wide, int8.dequantized().to(torch.bfloat16))
+    assert "wide" not in int8.state_dict()  # derived from the int8 weight: never saved
     many = torch.randn(2, INT8_WIDE_ROWS // 2 + 1, 96, generator=gen).to(DEVICE, torch.bfloat16)  # 66 rows
     few = many[:, : INT8_WIDE_ROWS // 2]  # 64 rows
     on, off = KernelConfig(int8_wide=True), KernelConfig()  # off by default

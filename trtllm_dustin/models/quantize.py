@@ -45,7 +45,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.register_buffer("wide", None)  # keep_wide: the dequantized weight in a float dtype, for wide calls
+        # keep_wide: the dequantized weight in a float dtype, for wide calls (derived, so never in a state dict)
+        self.register_buffer("wide", None, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
