@@ -84,12 +84,16 @@ def quantize_int8(linear: nn.Linear) -> Int8Linear:
     return Int8Linear(q, scale, None if linear.bias is None else linear.bias.detach())
 
 
-def quantize_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` (not `module` itself) by its Int8Linear; returns how many."""
+def quantize_linears(module: nn.Module, wide: torch.dtype | None = None) -> int:
+    """Replace every nn.Linear inside `module` (not `module` itself) by its Int8Linear, each keeping a wide copy in
+    dtype `wide` if one is given (Int8Linear.keep_wide); returns how many."""
     found = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear) and name]
     for name, child in found:
         parent_name, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent_name) if parent_name else module, attr, quantize_int8(child))
+        int8 = quantize_int8(child)
+        if wide is not None:
+            int8.keep_wide(wide)
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, int8)
     return len(found)
 
 

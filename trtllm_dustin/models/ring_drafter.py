@@ -204,12 +204,9 @@ class RingDrafter(nn.Module):
             return self
         if self.weights != "model":
             raise ConfigError(f"this ring drafter is already {self.weights}")
+        wide = self.dtype if self.target.kernels.int8_wide else None
         for layer in self.layers:
-            quantize_linears(layer)
-            if self.target.kernels.int8_wide:
-                for module in layer.modules():
-                    if isinstance(module, Int8Linear):
-                        module.keep_wide(self.dtype)
+            quantize_linears(layer, wide)
         if self._head_rows is not None:
             self._head_rows, self._head_scale = quantize_rows(self._head_rows)
         return self

@@ -220,12 +220,12 @@ def search_selection_layers(objective: InPassObjective, progress: bool = True) -
     phase_b: list[dict[Candidate, float]] = []
     while len(chosen) < settings.max_layers:
         taken = {c[0] for c in chosen}
-        later = [c for c in objective.candidates
+        tried = [c for c in objective.candidates
                  if c[0] > chosen[-1][0] or (settings.earlier and c[0] not in taken)]
-        if not later:
+        if not tried:
             break
         scores = {c: objective.mean([*chosen, c]) for c in tqdm(
-            later, desc=f"phase B: re-selection layer {len(chosen)}", disable=not progress)}
+            tried, desc=f"phase B: re-selection layer {len(chosen)}", disable=not progress)}
         phase_b.append(scores)
         pick = max(scores, key=lambda c: order(c, scores[c]))
         if scores[pick] < best + settings.min_gain:
