@@ -16,6 +16,9 @@ each file's sha256 in the manifest. A build is deterministic (the same inputs gi
                                      run loads it). A pipeline rank opens and checks only the files it reads
                                      (`open_engine`)
     <engine>/longspark/              a LongSpark drafter (config.json, model.safetensors), when built with one
+    <engine>/ring/                   a ring drafter (config.json, model.safetensors, head_ids.safetensors where it
+                                     has a subset head), when built with one (limits.draft_weights "int8" rounds it
+                                     when a run loads it, as the draft)
     <engine>/tokenizer/              the target's tokenizer (save_pretrained), when it has one
     <engine>/dustin.json             the Dustin config, when built with one
     <engine>/tactics.json            the skinny-GEMM tactic table of bf16 weights: tuned on this GPU (--tune) or
@@ -122,6 +125,7 @@ class EngineManifest:
     tuned: bool  # the table was measured by this build (--tune), not the packaged one
     dustin: dict[str, Any] | None = None
     longspark: bool = False
+    ring: bool = False
     files: dict[str, str] = field(default_factory=dict)  # path inside the engine -> sha256
 
     def to_json(self) -> str:
@@ -186,13 +190,14 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def build_engine(out: str | Path, *, target: str | None = None, draft: str | None = None,
-                 longspark: str | None = None, dustin: DustinConfig | None = None,
+                 longspark: str | None = None, ring: str | None = None, dustin: DustinConfig | None = None,
                  limits: EngineLimits | None = None, pp_size: int = 1, tune: bool = False, seed: int = 0,
                  device: str = "cpu", force: bool = False, log=print, first_stage_layers: int | None = None) -> Path:
     """Build an engine at `out` (the module docstring says what it holds); returns its path.
 
     target / draft: what `load_model` takes (None: the default SmolLM2 target; the draft only when given).
-    longspark: a LongSpark drafter for the target (a directory, "random", or None: none). tune: measure the
+    longspark: a LongSpark drafter for the target (a directory, "random", or None: none); ring: a ring drafter
+    (a directory, "smollm2-ring", "random", or None: none; one stage only). tune: measure the
     tactic table on this CUDA device (else the packaged table is recorded). The weights are converted on `device`
     (cpu is fine: a build runs once). first_stage_layers: the first stage's target layers (it also drafts; the others
     split the rest evenly), None: an even split. Every check runs before a weight is read.
@@ -202,6 +207,7 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
     from trtllm_dustin import __version__
     from trtllm_dustin.models.loading import native_tensors, open_model
     from trtllm_dustin.models.longspark import load_longspark, longspark_config, longspark_directory
+    from trtllm_dustin.models.ring_drafter import HEAD_IDS_FILE, random_ring_drafter, read_ring_checkpoint, ring_config
     from trtllm_dustin.plugins.linear_tactics import PACKAGED_LINEAR_TACTICS
     from trtllm_dustin.provenance import git_sha
 
@@ -227,12 +233,19 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
     spark_config = longspark_config(longspark) if longspark is not None else None
     if spark_config is not None:
         spark_config.check_target(tc)
+    if ring is not None:
+        if pp_size > 1:
+            raise EngineError(f"--ring with --pp-size {pp_size}: the ring methods run in one process (the ring drafter "
+                              "is fed the hidden states of target layers that other stages hold); build the ring "
+                              "drafter into a --pp-size 1 engine")
+        ring_shape = ring_config(ring, tc)  # checked against the target
 
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        steps = tqdm(total=4 + pp_size + (draft is not None) + (longspark is not None), desc=f"build {out.name}",
+        steps = tqdm(total=4 + pp_size + (draft is not None) + (longspark is not None) + (ring is not None),
+                     desc=f"build {out.name}",
                      unit="step", disable=log is None)
         dtype = limits.torch_dtype
         loaded = target_ckpt.load(device, dtype)
@@ -259,6 +272,16 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
         if longspark is not None:
             load_longspark(longspark, model, seed=seed + 1).save(tmp / "longspark")
             steps.update()
+        if ring == "random":
+            random_ring_drafter(model, ring_shape, seed=seed + 2).save(tmp / "ring")
+            steps.update()
+        elif ring is not None:  # the checkpoint's files as they are (its own weights are already small)
+            (tmp / "ring").mkdir()
+            source = read_ring_checkpoint(ring)[0]
+            for name in ("config.json", "model.safetensors", HEAD_IDS_FILE):
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, tmp / "ring" / name)
+            steps.update()
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         if dustin is not None:
@@ -284,11 +307,15 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
         if longspark is not None:
             sources["longspark"] = {"spec": "random", "seed": seed + 1} if longspark == "random" else \
                 {"spec": longspark, "files": _source_record(str(longspark_directory(longspark)), seed)["files"]}
+        if ring is not None:
+            sources["ring"] = {"spec": "random", "seed": seed + 2} if ring == "random" else \
+                {"spec": ring, "files": _hash_files(tmp / "ring", sorted((tmp / "ring").iterdir()))}
         files = _hash_files(tmp, sorted(p for p in tmp.rglob("*") if p.is_file()))
         manifest = EngineManifest(
             format_version=ENGINE_FORMAT_VERSION, package_version=__version__, git_sha=git_sha(), sources=sources,
             fingerprints=fingerprints, limits=limits, pp_size=pp_size, layers=layers, tactics_gpu=gpu, tuned=tune,
-            dustin=asdict(dustin) if dustin is not None else None, longspark=longspark is not None, files=files)
+            dustin=asdict(dustin) if dustin is not None else None, longspark=longspark is not None,
+            ring=ring is not None, files=files)
         (tmp / "manifest.json").write_text(manifest.to_json())
         steps.update()
         steps.close()
@@ -317,6 +344,7 @@ class OpenedEngine:
     draft: Any | None  # the same for the draft (rank0/draft.safetensors; its config on every rank)
     dustin: DustinConfig | None
     longspark: Path | None  # the LongSpark drafter's directory inside the engine
+    ring: Path | None  # the ring drafter's directory inside the engine
     tactics: Path | None  # the tactic table the runtime should read (None: the packaged one; another GPU's table)
     notes: list[str] = field(default_factory=list)  # warnings to print (e.g. tuned for another GPU)
     rank: int = 0  # the pipeline stage this process opened
@@ -394,7 +422,8 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
     tactics, notes = engine_tactics(directory, manifest,
                                     torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     return OpenedEngine(directory, manifest, shard("target", rank), shard("draft", 0) if "draft" in configs else None,
-                        dustin, directory / "longspark" if manifest.longspark else None, tactics, notes, rank,
+                        dustin, directory / "longspark" if manifest.longspark else None,
+                        directory / "ring" if manifest.ring else None, tactics, notes, rank,
                         _sha256(path))
 
 

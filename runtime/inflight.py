@@ -136,7 +136,10 @@ class InflightBatcher:
         if None not in self._slots:
             raise RuntimeError("no free batch slot; admit only when free_slots > 0")
         slot = self._slots.index(None)
-        keys = self.prefix_cache.match(request.prompt) if self.prefix_cache is not None else []
+        # a drafter that reads the hidden states of the prompt's last window_rows positions (the ring drafter) gets
+        # them computed: the reused blocks end before them, so its state is the cold prefill's
+        keys = self.prefix_cache.match(request.prompt, self.decoder.drafter.window_rows) \
+            if self.prefix_cache is not None else []
         start = len(keys) * self.prefix_cache.block if keys else 0
         job = self.decoder.start_prefill(slice(slot, slot + 1), [list(request.prompt)], self.prefill_chunk, start)
         if keys:

@@ -35,6 +35,7 @@ from trtllm_dustin.runtime.drafters import (
     StreamingWindowView,
     VerificationSetView,
 )
+from trtllm_dustin.runtime.drafters.ring import RingDrafting
 from trtllm_dustin.runtime.selector import Selector
 from trtllm_dustin.runtime.selectors import (
     AdaptiveShare,
@@ -48,7 +49,7 @@ from trtllm_dustin.runtime.selectors import (
 
 __all__ = ["FULL_DRAFT", "METHODS", "OFFERED_METHODS", "DrafterFactory", "Method", "MethodSetup", "SelectorFactory",
            "baseline_budget", "dustin_longspark_selector", "dustin_selector", "in_pass_selector", "longspark_drafter",
-           "longspark_lookahead", "method_spec", "model_drafter", "register_methods"]
+           "longspark_lookahead", "method_spec", "model_drafter", "register_methods", "ring_drafter"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class MethodSetup:
     # Where the LongSpark drafter reads its target layers' K/V when target_cache does not hold them all (a pipeline's
     # first stage): target layer -> (K, V) [B, H_kv, S_max, D]; None: target_cache's layers
     longspark_kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-    ring: RingDrafter | None = None  # a ring drafter attached to the target (the ring methods, evaluation only)
+    ring: RingDrafter | None = None  # a ring drafter attached to the target (the ring methods)
     use_cuda_graph: bool = True  # replay the round's fixed-shape phases from CUDA graphs (CUDA only)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # given to both models; the graphs record it
 
@@ -110,6 +111,10 @@ def model_drafter(view: Callable[[MethodSetup], DraftView]) -> DrafterFactory:
 def longspark_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
     return LongSparkDrafter(setup.longspark, setup.target_cache, setup.gamma, graphs, setup.kernels.round_kernels,
                             setup.longspark_kv)
+
+
+def ring_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
+    return RingDrafting(setup.ring, setup.target_cache.batch_slots, setup.gamma, graphs, setup.kernels.round_kernels)
 
 
 def _verification_set(setup: MethodSetup) -> DraftView:
@@ -240,6 +245,11 @@ METHODS: dict[str, Method] = {
                                  needs_longspark=True, needs_dustin=True, sparse=True),
     "dustin-ip-longspark": Method(longspark_drafter, in_pass_selector(), "LongSpark draft, in-pass selection",
                                   needs_draft=False, needs_longspark=True, needs_dustin=True, sparse=True),
+    # The ring drafter (issue 38): own layers over a ring of the last W positions, fed the target's hidden states.
+    "ring": Method(ring_drafter, _full, "the ring drafter: fixed-cost draft of up to 7 tokens (--ring), full "
+                   "verification", needs_draft=False, needs_ring=True),
+    "dustin-ip-ring": Method(ring_drafter, in_pass_selector(), "the ring drafter (--ring), in-pass selection",
+                             needs_draft=False, needs_ring=True, needs_dustin=True, sparse=True),
 }
 OFFERED_METHODS = tuple(name for name, method in METHODS.items() if method.offered)
 

@@ -62,10 +62,11 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def match(self, prompt: Sequence[int]) -> list[bytes]:
-        """Keys of the cached blocks the prompt starts with (their tokens: len(keys) * block, always fewer than the
-        prompt's: its last token is prefilled), marked as just used."""
-        keys = self.keys(prompt[: len(prompt) - 1])
+    def match(self, prompt: Sequence[int], prefilled: int = 1) -> list[bytes]:
+        """Keys of the cached blocks the prompt starts with, marked as just used; they leave at least the prompt's
+        last `prefilled` positions (>= 1: its last token is always prefilled) to the prefill, which computes the
+        hidden states a drafter reads there (the ring drafter's window)."""
+        keys = self.keys(prompt[: len(prompt) - max(1, prefilled)])
         n = 0
         while n < len(keys) and keys[n] in self._blocks:
             n += 1

@@ -21,9 +21,10 @@ E = "trtllm-dustin: error: "
 TINY = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "5"]
 PAIR = [*TINY, "--draft", "preset:tiny-llama-draft"]
 SPARSE = ("dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, dustin-ip, "
-          "dustin-ip-pages, dustin-ip-sparse-draft, dustin-t-longspark, dustin-ip-longspark")
+          "dustin-ip-pages, dustin-ip-sparse-draft, dustin-t-longspark, dustin-ip-longspark, dustin-ip-ring")
 DRAFTING = ("classic, magicdec, dustin-h, dustin-t, dustin-d, dustin-h-sparse-draft, streamingllm, snapkv, quest, "
             "dustin-ip, dustin-ip-pages, dustin-ip-sparse-draft")
+WEIGHTED = DRAFTING + ", ring, dustin-ip-ring"  # the methods --draft-weights rounds (a draft model's or ring drafter's)
 KERNELS = "(a round verifies gamma + 1 tokens and the kernels take at most 16)"
 DUSTIN_FIX = "write it with `trtllm-dustin search`"
 
@@ -32,7 +33,7 @@ BEFORE_ANYTHING = [
     (["generate", "--method", "nosuch"], "trtllm-dustin generate: error: argument --method: invalid choice: 'nosuch' "
      "(choose from 'vanilla', 'classic', 'magicdec', 'dustin-h', 'dustin-t', 'dustin-d', 'dustin-h-sparse-draft', "
      "'streamingllm', 'snapkv', 'quest', 'dustin-ip', 'dustin-ip-pages', 'dustin-ip-sparse-draft', 'longspark', "
-     "'dustin-t-longspark', 'dustin-ip-longspark'); see `trtllm-dustin generate --help`"),
+     "'dustin-t-longspark', 'dustin-ip-longspark', 'ring', 'dustin-ip-ring'); see `trtllm-dustin generate --help`"),
     (["generate", "--gamma", "x"], "trtllm-dustin generate: error: argument --gamma: invalid int value: 'x'; see "
      "`trtllm-dustin generate --help`"),
     (["generate", "--temperature", "nan"], E + "--temperature nan is not a finite number; pass a number >= 0 (0: "
@@ -54,8 +55,12 @@ BEFORE_ANYTHING = [
     (["generate", "--method", "classic", "--budget", "512"], E + "--budget 512: --method classic verifies against "
      f"the whole cache and has no budget k; drop --budget, or choose a sparse method ({SPARSE})"),
     (["generate", "--method", "dustin-h", "--budget", "-3"], E + "--budget -3 must be >= 1; raise it"),
-    (["generate", "--draft-weights", "int8"], E + "--draft-weights int8: --method vanilla has no draft model, so it "
-     f"would change nothing; drop --draft-weights, or choose a method that drafts with one ({DRAFTING})"),
+    (["generate", "--draft-weights", "int8"], E + "--draft-weights int8: --method vanilla has no draft model or ring "
+     "drafter, so it would change nothing; drop --draft-weights, or choose a method that drafts with one "
+     f"({WEIGHTED})"),
+    (["generate", "--method", "dustin-ip-ring", "--draft-kv-cache", "fp8"], E + "--draft-kv-cache fp8: --method "
+     "dustin-ip-ring has no draft model, so it would change nothing; drop --draft-kv-cache, or choose a method that "
+     f"drafts with one ({DRAFTING})"),
     (["generate", "--method", "longspark", "--draft-kv-cache", "fp8"], E + "--draft-kv-cache fp8: --method longspark "
      "has no draft model, so it would change nothing; drop --draft-kv-cache, or choose a method that drafts with one "
      f"({DRAFTING})"),
@@ -125,6 +130,14 @@ BEFORE_WEIGHTS = [
      f"budget k=10 must exceed sinks + recent window = 20; {DUSTIN_FIX}"),
     ([*TINY, "--method", "longspark", "--longspark", "random", "--gamma", "8"], E + "--gamma 8 exceeds the 7 tokens "
      "this LongSpark drafter proposes per round (its block); lower --gamma to <= 7"),
+    ([*TINY, "--method", "ring", "--ring", "random", "--gamma", "8"], E + "--gamma 8 exceeds the 7 tokens this ring "
+     "drafter proposes per round; lower --gamma to <= 7"),
+    ([*TINY, "--method", "ring"], E + "methods ['ring'] need --ring DIR (from `trtllm-dustin train-ring-drafter`), "
+     "or --ring random for random weights"),
+    ([*TINY, "--method", "ring", "--ring", "{tmp}"], E + "{tmp}: no ring drafter there (config.json missing); write "
+     "one with `trtllm-dustin train-ring-drafter`"),
+    ([*TINY, "--method", "ring", "--ring", "smollm2-ring"], E + "ring drafter layers [3, 9, 10, 15, 20, 22, 29] do "
+     "not exist in tiny-llama (3 layers); train one for it with `trtllm-dustin train-ring-drafter`"),
     ([*TINY, "--max-seq-len", "5000"], E + "--max-seq-len 5000 exceeds the target's 2048 positions (tiny-llama); "
      "lower it"),
     ([*PAIR, "--method", "quest", "--max-new-tokens", "4", "--budget", "100"], E + "--budget 100 exceeds the KV "
@@ -246,8 +259,8 @@ def test_the_registry_read_without_torch_is_the_registry() -> None:
 
     facts = method_facts()
     assert tuple(facts) == OFFERED and all(f.offered for f in facts.values())
-    assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse, METHODS[name].needs_draft)
-                     for name in OFFERED}
+    assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse, METHODS[name].needs_draft,
+                                       METHODS[name].needs_ring) for name in OFFERED}
 
 
 def test_the_draft_only_choices_read_without_torch_are_the_options() -> None:

@@ -186,17 +186,42 @@ def test_draft_weights_is_offered_beside_the_draft_kv_cache(capsys, command: str
     assert parser.parse_args([command, *required, "--draft-weights", "int8"]).draft_weights == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--help"])
-    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    usage = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(capsys.readouterr().out.split()))  # argparse wraps its lines
     assert "--draft-kv-cache {model,fp8}" in usage and "--draft-weights {model,int8}" in usage
-    assert re.search(r"--draft-weights \{model,int8\} the draft model's layers: model \(its dtype\) or int8 "
-                     r"\(weight-only, one scale per output row: half the bytes a draft step reads; tau within about "
-                     r"1 % on the real pair\)[^(]* \(default: model\)", usage)
+    assert re.search(r"--draft-weights \{model,int8\} the draft model's layers \(and the ring drafter's layers and "
+                     r"head\): model \(its dtype\) or int8 \(weight-only, one scale per output row: half the bytes a "
+                     r"draft step reads; tau within about 1 % on the real pair\)[^(]* \(default: model\)", usage)
     with pytest.raises(SystemExit) as exit_:
         main([command, *required, "--draft-weights", "int4"])
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert "weights loaded" not in captured.out and f"trtllm-dustin {command}: error: argument --draft-weights: " \
         "invalid choice: 'int4' (choose from 'model', 'int8')" in captured.err
+
+
+def test_the_ring_methods_run_the_packaged_ring_drafter_and_commit_the_targets_tokens(capsys) -> None:
+    """generate --method ring / dustin-ip-ring with no model argument: the default model, its packaged ring drafter
+    (said, with its shape) and, for dustin-ip-ring, the packaged Dustin config's selection layer. Full verification
+    with the ring drafter commits vanilla's greedy tokens, as loaded and with --draft-weights int8; both accept some
+    proposals and reject others."""
+    common = ["generate", "--max-new-tokens", "24", "--device", "cpu", "--prompt", "Name three colours of the sky."]
+    texts, outs = {}, {}
+    for name, extra in (("vanilla", ["--method", "vanilla"]), ("ring", ["--method", "ring"]),
+                        ("ring-int8", ["--method", "ring", "--draft-weights", "int8", "--gamma", "7"]),
+                        ("dustin-ip-ring", ["--method", "dustin-ip-ring", "--gamma", "5"])):
+        assert main([*common, *extra]) == 0
+        outs[name] = capsys.readouterr().out
+        lines = outs[name].splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("[0] "))
+        last = next(i for i, line in enumerate(lines) if line.startswith("model "))
+        texts[name] = lines[first:last]  # the generated text, before the run's summary
+    assert "ring drafter: smollm2-ring (reads target layers [3, 9, 15, 22, 29], 4 own layers, window 256, up to 7 " \
+        "tokens per round)" in outs["ring"]
+    assert "in-pass selection layers 21" in outs["dustin-ip-ring"]
+    assert texts["ring"] == texts["ring-int8"] == texts["vanilla"]
+    for name in ("ring", "ring-int8", "dustin-ip-ring"):
+        tau = float(outs[name].split("mean accepted length tau ")[1].split(",")[0])
+        assert 1.0 < tau < {"ring": 4.0, "ring-int8": 8.0, "dustin-ip-ring": 6.0}[name], name
 
 
 def test_int8_draft_weights_change_proposals_never_tokens(capsys, tmp_path, monkeypatch, plugin_references) -> None:

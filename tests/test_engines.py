@@ -35,10 +35,10 @@ def generated(capsys, argv: list[str]) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
 
 
-@pytest.mark.parametrize("method", ["vanilla", "dustin-h", "dustin-t-longspark"])
+@pytest.mark.parametrize("method", ["vanilla", "dustin-h", "dustin-t-longspark", "ring"])
 def test_engine_generates_what_its_sources_generate(engine_dir: Path, capsys, method: str) -> None:
-    """The round trip: the engine's weights, Dustin config and LongSpark drafter give the tokens the source models
-    give (same seeds): vanilla greedy and sampled, dustin-h sampled, dustin-t-longspark greedy."""
+    """The round trip: the engine's weights, Dustin config and LongSpark and ring drafters give the tokens the source
+    models give (same seeds): vanilla greedy and sampled, dustin-h sampled, dustin-t-longspark and ring greedy."""
     common = ["generate", "--prompt-tokens", "30", "--max-new-tokens", "12", "--method", method, "--device", "cpu",
               "--batch-size", "2", "--seed", "3"]
     samplings = ([], ["--temperature", "0.8", "--top-p", "0.9"]) if method == "vanilla" else ([],)
@@ -50,6 +50,7 @@ def test_engine_generates_what_its_sources_generate(engine_dir: Path, capsys, me
         sources = ["--model", TARGET, "--dtype", "float32", "--dustin-config", str(dustin)]
         sources += ["--draft", DRAFT] if method == "dustin-h" else []
         sources += ["--longspark", str(engine_dir / "longspark")] if "longspark" in method else []
+        sources += ["--ring", str(engine_dir / "ring")] if method == "ring" else []
         assert from_engine and from_engine == generated(capsys, [*common, *sampling, *sources])
 
 
@@ -65,7 +66,8 @@ def test_manifest_records_sources_limits_and_every_file(engine_dir: Path) -> Non
     manifest = EngineManifest.from_json((engine_dir / "manifest.json").read_text(), "manifest")
     assert manifest.limits == LIMITS and manifest.pp_size == 1 and manifest.layers == [(0, 3)]
     assert manifest.sources["target"] == {"spec": TARGET, "seed": 3}
-    assert set(manifest.fingerprints) == {"target", "draft"} and manifest.longspark
+    assert set(manifest.fingerprints) == {"target", "draft"} and manifest.longspark and manifest.ring
+    assert manifest.sources["ring"] == {"spec": "random", "seed": 5}
     on_disk = {p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*") if p.is_file()}
     assert set(manifest.files) == on_disk - {"manifest.json"}
     assert manifest.tactics_gpu == "NVIDIA H200" and not manifest.tuned  # the packaged table
@@ -75,7 +77,7 @@ def test_pipeline_shards_hold_contiguous_layers(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     assert layer_split(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
-    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None)
+    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None, ring=None)
     names = []
     for rank in range(2):
         with safe_open(str(out / f"rank{rank}" / "target.safetensors"), framework="pt") as f:
@@ -116,7 +118,7 @@ def test_a_split_can_give_the_drafting_rank_fewer_layers(tmp_path: Path) -> None
     for bad in ([(0, 2), (3, 4)], [(0, 2)], [(1, 2), (2, 4)], [(0, 0), (0, 4)], [(0, 2), (2, 5)]):
         with pytest.raises(ConfigError, match="is not 2 contiguous non-empty ranges covering the target's 4 layers"):
             check_split(bad, 4, 2)
-    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None, first_stage_layers=1)
+    out = build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None, ring=None, first_stage_layers=1)
     assert EngineManifest.from_json((out / "manifest.json").read_text(), "m").layers == [(0, 1), (1, 3)]
     held = []
     for rank in range(2):
@@ -124,7 +126,7 @@ def test_a_split_can_give_the_drafting_rank_fewer_layers(tmp_path: Path) -> None
             held.append({int(n.split(".")[1]) for n in f.keys() if n.startswith("layers.")})
     assert held == [{0}, {1, 2}]
     with pytest.raises(ConfigError, match="--first-stage-layers 3 must be between 1 and 2"):
-        build(tmp_path / "bad", pp_size=2, draft=None, dustin=None, longspark=None, first_stage_layers=3)
+        build(tmp_path / "bad", pp_size=2, draft=None, dustin=None, longspark=None, ring=None, first_stage_layers=3)
     assert not (tmp_path / "bad").exists()
 
 
@@ -185,9 +187,14 @@ def test_run_limits_and_missing_parts_are_refused(engine_dir: Path, tmp_path: Pa
                            (["--dtype", "bfloat16"], "the engine's weights are float32")):
         assert main([*base, *extra]) == 2
         assert message in capsys.readouterr().err
-    plain = build(tmp_path / "plain", draft=None, dustin=None, longspark=None)
+    assert main([*base, "--method", "ring", "--ring", "random"]) == 2
+    assert "--engine brings its own models and configs; drop --ring" in capsys.readouterr().err
+    plain = build(tmp_path / "plain", draft=None, dustin=None, longspark=None, ring=None)
     assert main(["generate", "--engine", str(plain), "--prompt-tokens", "8", "--method", "classic"]) == 2
     assert "needs a draft model; the engine" in capsys.readouterr().err
+    assert main(["generate", "--engine", str(plain), "--prompt-tokens", "8", "--method", "ring"]) == 2
+    assert f"--method ring needs a ring drafter; the engine {plain} has none (rebuild it with --ring)" in \
+        capsys.readouterr().err
 
 
 def test_build_refuses_before_reading_weights(tmp_path: Path, engine_dir: Path) -> None:
@@ -195,6 +202,11 @@ def test_build_refuses_before_reading_weights(tmp_path: Path, engine_dir: Path) 
         build(engine_dir)
     with pytest.raises(EngineError, match="--max-seq-len 100000 exceeds the target's"):
         build(tmp_path / "long", limits=EngineLimits(max_seq_len=100000))
+    with pytest.raises(EngineError, match="--ring with --pp-size 2: the ring methods run in one process"):
+        build(tmp_path / "pp", pp_size=2, draft=None, dustin=None, longspark=None)
+    with pytest.raises(ConfigError, match=r"ring drafter layers \[3, 9, 10, 15, 20, 22, 29\] do not exist in tiny"):
+        build(tmp_path / "packaged", ring="smollm2-ring")
+    assert not (tmp_path / "pp").exists() and not (tmp_path / "packaged").exists()
     other = DustinConfig(**{**DUSTIN.__dict__, "target_fingerprint": "0123456789abcdef"})
     with pytest.raises(Exception, match="searched for another target"):
         build(tmp_path / "other", dustin=other)

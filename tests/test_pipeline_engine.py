@@ -28,7 +28,7 @@ RUN = ["generate", "--prompt-tokens", "30", "--max-new-tokens", "12", "--method"
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pp-engines")
-    common = dict(longspark=None, dustin=DUSTIN, limits=LIMITS)
+    common = dict(longspark=None, ring=None, dustin=DUSTIN, limits=LIMITS)
     return {"pp1": build(root / "pp1", **common), "pp2": build(root / "pp2", pp_size=2, **common),
             "pp2-other": build(root / "pp2-other", pp_size=2, seed=4, **common),
             "pp2-first1": build(root / "pp2-first1", pp_size=2, first_stage_layers=1, **common)}
@@ -88,7 +88,7 @@ def test_the_drafting_rank_rounds_an_int8_engines_draft(tmp_path: Path, capsys) 
     tokens the pp=1 engine gives with the same choice."""
     from dataclasses import replace
 
-    common = dict(longspark=None, dustin=DUSTIN, limits=replace(LIMITS, draft_weights="int8"))
+    common = dict(longspark=None, ring=None, dustin=DUSTIN, limits=replace(LIMITS, draft_weights="int8"))
     pp1, pp2 = build(tmp_path / "pp1", **common), build(tmp_path / "pp2", pp_size=2, **common)
     assert main([*RUN, "--engine", str(pp1)]) == 0
     out = capsys.readouterr().out

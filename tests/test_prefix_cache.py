@@ -21,7 +21,7 @@ from helpers.serving import (
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.runtime.inflight import SlotRequest
-from trtllm_dustin.runtime.methods import OFFERED_METHODS
+from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.engine import GenerationRequest, ServingEngine
@@ -65,6 +65,7 @@ def test_keys_are_a_chain_over_whole_blocks_and_match_leaves_the_last_token() ->
     assert len(cache.match(a)) == 3  # 12 of 13 tokens: the last one is always prefilled
     assert len(cache.match(a[:12])) == 2  # a 12-token prompt may reuse 8: its last token is prefilled
     assert len(cache.match(b)) == 2  # diverges in block 3
+    assert len(cache.match(a, prefilled=5)) == 2 and len(cache.match(a, prefilled=6)) == 1  # 8 and 4 of 13 reused
     assert cache.match([1, 2, 3, 4, 5]) == []
     dst = [KVCache(torch.zeros_like(c.k), torch.zeros_like(c.v), c.seqlens.clone()) for c in src]
     assert cache.load(cache.match(b), dst) == 8
@@ -96,11 +97,15 @@ def test_eviction_keeps_within_the_limit_and_takes_leaves_before_roots() -> None
 def test_a_cached_prefix_gives_the_cold_runs_tokens(method: str) -> None:
     """4 requests on one document through 2 slots: the last two reuse its 5 blocks (the first two were admitted
     before either's prefill had finished), and every request, greedy or seeded-sampled, gets exactly the tokens of
-    that method's generate() on its prompt alone."""
+    that method's generate() on its prompt alone. A drafter that reads the hidden states of the prompt's last R
+    positions (the ring drafter's window: R = 16 here) reuses only the blocks that end before them (4 of 5 here)."""
     cache = PrefixCache(1 << 20, block=BLOCK)
     requests = _document_requests()
-    got = serve_requests(make_batcher(method, slots=2, prefix_cache=cache), requests)
-    assert cache.reused_tokens == 2 * 40
+    batcher = make_batcher(method, slots=2, prefix_cache=cache)
+    got = serve_requests(batcher, requests)
+    rows = batcher.decoder.drafter.window_rows
+    assert rows == (16 if METHODS[method].needs_ring else 0)
+    assert cache.reused_tokens == (2 * 32 if rows else 2 * 40)
     for k, request in enumerate(requests):
         assert got[k] == _cold(method, request), f"request {k} ({request.sampling})"
 
@@ -124,7 +129,7 @@ def test_admissions_prefilled_together_give_the_cold_runs_tokens(method: str) ->
         got = serve_requests(batcher, requests)
     finally:
         handle.remove()
-    assert max(rows) == 3 and cache.reused_tokens >= 40
+    assert max(rows) == 3 and cache.reused_tokens >= (32 if batcher.decoder.drafter.window_rows else 40)
     for k, request in enumerate(requests):
         assert got[k] == _cold(method, request), f"request {k} ({request.sampling})"
 

@@ -55,7 +55,7 @@ def test_production_never_imports_the_experimental_registry() -> None:
 
 def test_the_serving_config_takes_every_offered_method_and_no_other() -> None:
     config = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
-                           methods=OFFERED_METHODS, dustin=dustin_config(budget=40, m=4))
+                           ring="random", methods=OFFERED_METHODS, dustin=dustin_config(budget=40, m=4))
     assert ServingConfig.from_json(config.to_json()) == config
     for name in EXPERIMENTAL:
         with pytest.raises(ConfigError, match=f"{name}.*unknown"):

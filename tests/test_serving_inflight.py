@@ -19,6 +19,7 @@ from helpers.serving import (
     reference_kernels,
     run_requests,
     serve_requests,
+    served_ring_drafter,
 )
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
@@ -192,7 +193,8 @@ def test_engine_serves_every_offered_method_exactly() -> None:
                         for i, method in enumerate(m for m in OFFERED_METHODS for _ in range(2))]
             for r, chunks in zip(requests, run_requests(eng, requests), strict=True):
                 assert all(c.error is None for c in chunks), (r.method, chunks[-1].error)
-                want = direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed)
+                want = direct_text(r.method, r.text, r.max_tokens, r.temperature, r.top_p, r.seed,
+                                   ring=served_ring_drafter())
                 assert "".join(c.text for c in chunks) == want, r.method
         finally:
             eng.close()

@@ -28,6 +28,7 @@ def written(repo: Path) -> ServingConfig:
     (["--model", "preset:tiny-llama", "--method", "vanilla", "dustin-h", "--draft", "preset:tiny-llama-draft"],
      r"methods \['dustin-h'\] need --dustin-config"),
     (["--model", "preset:tiny-llama", "--method", "longspark"], "need --longspark DIR"),
+    (["--model", "preset:tiny-llama", "--method", "dustin-ip-ring"], "need --ring DIR"),
     (["--model", "preset:tiny-llama", "--max-batch", "100000", "--max-seq-len", "2048"], "needs .* GiB but only"),
 ])
 def test_a_repository_that_cannot_serve_is_refused(tmp_path: Path, capsys, extra, message) -> None:
@@ -65,9 +66,10 @@ def test_the_draft_choices_are_recorded(tmp_path: Path) -> None:
 
 
 def test_the_default_model_takes_its_packaged_pair(tmp_path: Path, smollm2) -> None:
-    """As generate does: the packaged draft, its searched Dustin config and the packaged LongSpark drafter."""
+    """As generate does: the packaged draft, its searched Dustin config and the packaged LongSpark and ring
+    drafters."""
     assert main(["triton-repo", "--out", str(tmp_path / "repo"), "--method", "dustin-h", "dustin-t-longspark",
-                 "--max-seq-len", "1024"]) == 0
+                 "dustin-ip-ring", "--max-seq-len", "1024"]) == 0
     config = written(tmp_path / "repo")
     assert config.draft == "smollm2-draft" and config.dustin is not None and config.dustin.budget == 2048
-    assert config.longspark == "smollm2-longspark"
+    assert config.longspark == "smollm2-longspark" and config.ring == "smollm2-ring"

@@ -45,8 +45,9 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of --dtype
-_DRAFT_WEIGHTS_HELP = ("the draft model's layers: model (its dtype) or int8 (weight-only, one scale per output row: "
-                       "half the bytes a draft step reads; tau within about 1 %% on the real pair)")
+_DRAFT_WEIGHTS_HELP = ("the draft model's layers (and the ring drafter's layers and head): model (its dtype) or int8 "
+                       "(weight-only, one scale per output row: half the bytes a draft step reads; tau within about "
+                       "1 %% on the real pair)")
 
 
 def _method_list() -> str:
@@ -93,7 +94,8 @@ def _typed(default: object) -> str:
 
 def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str] | None,
                             draft_kv_choices: Sequence[str] | None, method_help: str = "",
-                            default_longspark: str = "", draft_weights: Sequence[str] | None = None) -> None:
+                            default_longspark: str = "", draft_weights: Sequence[str] | None = None,
+                            default_ring: str = "") -> None:
     """generate's options. Built twice: by build_parser, and before torch is imported by `_early_generate_args`
     with the method names read from the registry's source (validation.method_facts) and the choices that need torch
     (draft_kv_choices, draft_weights) left open (None: the full parser checks them)."""
@@ -128,6 +130,9 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory "
                      "from `train-longspark`, or random (random weights, for presets) (default with the default "
                      f"model: the packaged {default_longspark})")
+    gen.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory from "
+                     "`train-ring-drafter`, or random (random weights, for presets) (default with the default model: "
+                     f"the packaged {default_ring})")
     gen.add_argument("--gamma", type=int, default=3, help=f"draft tokens per speculative round, 1..{MAX_GAMMA}")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget; "
                      "streamingllm, snapkv, quest without a Dustin config: their k")
@@ -145,8 +150,8 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--profile", action="store_true", help="time each phase of a round with device events")
     gen.add_argument("--engine", type=Path, default=None,
                      help="an engine directory from `trtllm-dustin build`: its models, Dustin config, LongSpark "
-                     "drafter, dtype, draft KV cache and draft weights, and kernel tactics (instead of --model, "
-                     "--draft, --longspark, --dustin-config, --draft-kv-cache, --draft-weights); "
+                     "and ring drafters, dtype, draft KV cache and draft weights, and kernel tactics (instead of "
+                     "--model, --draft, --longspark, --ring, --dustin-config, --draft-kv-cache, --draft-weights); "
                      "an engine built with --pp-size N runs under `torchrun --nproc-per-node N` (docs/engines.md; "
                      "default: none)")
     gen.add_argument("--micro-batches", type=int, default=1, help="pipeline-parallel runs: the batch in this many "
@@ -159,6 +164,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
 def build_parser() -> argparse.ArgumentParser:
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
+    from trtllm_dustin.models.ring_drafter import DEFAULT_RING
     from trtllm_dustin.plugins.kv_dtype import DRAFT_KV_CHOICES
     from trtllm_dustin.runtime.methods import OFFERED_METHODS
     from trtllm_dustin.search.cli import add_commands as add_search_commands
@@ -167,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text (vanilla or speculative decoding)",
                          formatter_class=DefaultsHelp)
-    _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK, DRAFTER_WEIGHTS)
+    _add_generate_arguments(gen, OFFERED_METHODS, DRAFT_KV_CHOICES, _method_list(), DEFAULT_LONGSPARK, DRAFTER_WEIGHTS,
+                            DEFAULT_RING)
     gen.set_defaults(func=_generate)
 
     build = sub.add_parser("build", help="build an engine directory: models converted, checked, split into pipeline "
@@ -179,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "None: no draft")
     build.add_argument("--longspark", default=None, help="LongSpark drafter directory, smollm2-longspark (packaged) "
                        "or random; None: none")
+    build.add_argument("--ring", default=None, help=f"ring drafter directory, {DEFAULT_RING} (packaged) or random; "
+                       "None: none")
     build.add_argument("--dustin-config", type=Path, default=None, help="the search's Dustin config for the pair; "
                        "None: none (the engine then serves no dustin method)")
     build.add_argument("--max-batch", type=int, default=16, help="batch slots the engine serves")
@@ -237,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="attention backend (default: triton on cuda, reference on cpu)")
     repo.add_argument("--longspark", default=None, help="LongSpark drafter for the longspark methods: a directory, "
                       f"or random (default with the default model: the packaged {DEFAULT_LONGSPARK})")
+    repo.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory, or random "
+                      f"(default with the default model: the packaged {DEFAULT_RING})")
     repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
@@ -248,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--chat-template", action="store_true", help="wrap text_input in the tokenizer's chat template")
     repo.add_argument("--seed", type=int, default=0, help="weights seed of random presets (the draft's is seed + 1)")
     repo.add_argument("--engine", type=Path, default=None, help="serve an engine directory from `trtllm-dustin "
-                      "build` (its models, Dustin config, LongSpark drafter, dtype and tactics; stored as an absolute "
-                      "path); None: the models named by the options above")
+                      "build` (its models, Dustin config, LongSpark and ring drafters, dtype and tactics; stored as an "
+                      "absolute path); None: the models named by the options above")
     repo.set_defaults(func=_triton_repo)
 
     serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
@@ -588,7 +599,7 @@ def _build(args: argparse.Namespace) -> int:
                           draft_weights=args.draft_weights)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     start = time.perf_counter()
-    build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, dustin=dustin,
+    build_engine(args.out, target=args.model, draft=args.draft, longspark=args.longspark, ring=args.ring, dustin=dustin,
                  limits=limits, pp_size=args.pp_size, first_stage_layers=args.first_stage_layers, tune=args.tune,
                  seed=args.seed, force=args.force, device=args.device or _default_device())
     print(f"build took {time.perf_counter() - start:.1f} s; run it: trtllm-dustin generate --engine {args.out}")
@@ -601,7 +612,8 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     world_size) checks the files it reads."""
     from trtllm_dustin.build_engines.engine import EngineError, open_engine
 
-    given = [name for name in ("model", "draft", "longspark", "dustin_config") if getattr(args, name) is not None]
+    given = [name for name in ("model", "draft", "longspark", "ring", "dustin_config")
+             if getattr(args, name) is not None]
     if given:
         raise EngineError(f"--engine brings its own models and configs; drop --{given[0].replace('_', '-')}")
     engine = open_engine(args.engine, device=device, world_size=world_size, rank=rank)
@@ -621,6 +633,11 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
             raise EngineError(f"--method {args.method} needs a LongSpark drafter; the engine {args.engine} has none "
                               "(rebuild it with --longspark)")
         args.longspark = str(engine.longspark)
+    if method.needs_ring:
+        if engine.ring is None:
+            raise EngineError(f"--method {args.method} needs a ring drafter; the engine {args.engine} has none "
+                              "(rebuild it with --ring)")
+        args.ring = str(engine.ring)
     args.draft_kv_cache, args.draft_weights = limits.draft_kv_cache, limits.draft_weights
     print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
           f"files' sha256, fingerprints; limits batch {limits.max_batch} x {limits.max_seq_len} tokens, gamma "
@@ -727,6 +744,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from trtllm_dustin.models.longspark import load_longspark
+    from trtllm_dustin.models.ring_drafter import load_ring_drafter
     from trtllm_dustin.plugins.kernel_config import KernelConfig
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.build import build_runtime
@@ -768,11 +786,16 @@ def _generate(args: argparse.Namespace) -> int:
     if draft_model is not None:
         _draft_weights(draft_model, args.draft_weights)
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
+    kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
+    loaded.model.kernels = kernels  # an int8 ring drafter reads int8_wide off its target when it is rounded
+    ring = load_ring_drafter(args.ring, loaded.model, weights=args.draft_weights, seed=args.seed + 2) \
+        if method.needs_ring else None
     config = loaded.model.config
-    decoder = build_runtime(  # the TRTLLM_DUSTIN_* switches read once; an engine brings its own (tuned) tactic table
-        args.method, loaded.model, draft=draft_model, longspark=longspark, dustin=dustin, batch_slots=args.batch_size,
+    decoder = build_runtime(  # an engine brings its own (tuned) tactic table
+        args.method, loaded.model, draft=draft_model, longspark=longspark, ring=ring, dustin=dustin,
+        batch_slots=args.batch_size,
         max_seq_len=max_seq_len, dtype=dtype, draft_kv_dtype=kv_dtypes[1] if draft_model is not None else None,
-        device=device, kernels=KernelConfig.from_env(), tactics=engine.tactics if engine is not None else None,
+        device=device, kernels=kernels, tactics=engine.tactics if engine is not None else None,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, use_cuda_graph=not args.no_cuda_graph)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=config.eos_token_ids,
                                   sampling=SamplingParams(args.temperature, args.top_p, args.seed))
@@ -896,7 +919,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
     if args.engine is None:  # the models, drafter, Dustin config, device and limits, as `generate` checks them
-        args.model, args.draft, args.longspark, dustin = _repository_models(args)
+        args.model, args.draft, args.longspark, args.ring, dustin = _repository_models(args)
     else:  # checked now, not first when the server loads the model
         from trtllm_dustin.build_engines.engine import open_engine
 
@@ -911,7 +934,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
                              f"{limits.max_batch} / {limits.max_seq_len}; lower them or rebuild the engine")
     config = ServingConfig(
         engine=str(args.engine.resolve()) if args.engine is not None else None,
-        model=args.model, draft=args.draft, longspark=args.longspark, methods=tuple(args.method),
+        model=args.model, draft=args.draft, longspark=args.longspark, ring=args.ring, methods=tuple(args.method),
         dustin=dustin, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, queue_size=args.queue_size, device=args.device, dtype=args.dtype,
         backend=args.backend, gamma=args.gamma, draft_budget=args.draft_budget, draft_kv_cache=args.draft_kv_cache,
@@ -981,12 +1004,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpoint,
                    engine: OpenedEngine | None = None) -> tuple[Checkpoint | None, DustinConfig | None]:
     """What the methods need beside the target, opened and checked against it (no weight is read): the draft, the
-    LongSpark drafter's config and the Dustin config, with the default model's packaged ones when none is named (an
-    engine brings its own). Records the choice in args.draft / args.longspark / args.dustin_config."""
+    LongSpark and ring drafters' configs and the Dustin config, with the default model's packaged ones when none is
+    named (an engine brings its own). Records the choice in args.draft / args.longspark / args.ring /
+    args.dustin_config."""
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.dustin_config import DustinConfig
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, LongSparkConfig, longspark_config
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
+    from trtllm_dustin.models.ring_drafter import DEFAULT_RING, ring_config
     from trtllm_dustin.runtime.methods import METHODS
 
     default_model = args.model in (None, DEFAULT_MODEL) and engine is None
@@ -1015,6 +1040,20 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         print(f"LongSpark drafter: {args.longspark}" + (" (random weights at the target's shape)" if spark is None
               else f" (reads target layers {list(spark.target_layers)}, window {spark.window}, block {spark.block})"),
               flush=True)
+    needing = [m for m in methods if METHODS[m].needs_ring]
+    if needing:
+        if getattr(args, "ring", None) is None:
+            if not default_model:
+                raise ConfigError(f"methods {needing} need --ring DIR (from `trtllm-dustin train-ring-drafter`), or "
+                                  "--ring random for random weights")
+            args.ring = DEFAULT_RING  # the packaged ring drafter trained for the default model
+        ring = ring_config(args.ring, target.config)
+        if args.gamma > ring.block:
+            raise InputError(f"--gamma {args.gamma} exceeds the {ring.block} tokens this ring drafter proposes per "
+                             f"round; lower --gamma to <= {ring.block}")
+        print(f"ring drafter: {args.ring}" + (" (random weights at the target's shape)" if args.ring == "random"
+              else "") + f" (reads target layers {list(ring.read_layers)}, {len(ring.own_layers)} own layers, window "
+              f"{ring.window}, up to {ring.block} tokens per round)", flush=True)
     dustin = DustinConfig.load(args.dustin_config) if args.dustin_config else None
     if engine is not None:
         dustin, args.dustin_config = engine.dustin, engine.directory / "dustin.json"
@@ -1066,17 +1105,20 @@ def _baseline_budgets(args: argparse.Namespace, methods: list[str], dustin: Dust
     print(f"{', '.join(baselines)}: budget k {k} ({source})", flush=True)
 
 
-def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None, str | None, DustinConfig | None]:
+def _repository_models(args: argparse.Namespace
+                       ) -> tuple[str | None, str | None, str | None, str | None, DustinConfig | None]:
     """triton-repo without an engine: open every model it will serve (configs only) and check what `generate` checks
     (the models exist and open, the device, --max-seq-len against their positions, weights + the caches of every
     served method against free memory, the drafter and the Dustin config against the models), with the same
-    defaults for the default model (its packaged draft, Dustin config and LongSpark drafter). Returns the model,
-    draft and LongSpark specs with file paths made absolute (the server starts elsewhere) and the Dustin config."""
+    defaults for the default model (its packaged draft, Dustin config, LongSpark and ring drafters). Returns the model,
+    draft, LongSpark and ring specs with file paths made absolute (the server starts elsewhere) and the Dustin
+    config."""
     import torch
 
     from trtllm_dustin.kv_cache import KVCache, check_fits
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
+    from trtllm_dustin.models.ring_drafter import DEFAULT_RING
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.methods import METHODS
 
@@ -1112,10 +1154,10 @@ def _repository_models(args: argparse.Namespace) -> tuple[str | None, str | None
                fix="lower --max-batch, --max-seq-len or --prefix-cache-mib, or serve fewer --method")
 
     def absolute(spec: str | None) -> str | None:
-        named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK)
+        named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK, DEFAULT_RING)
         return spec if spec in named or spec.startswith("preset:") else str(Path(spec).expanduser().resolve())
 
-    return absolute(args.model), absolute(args.draft), absolute(args.longspark), dustin
+    return absolute(args.model), absolute(args.draft), absolute(args.longspark), absolute(args.ring), dustin
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,8 +182,10 @@ def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> No
 
 
 # generate's options that only a draft model reads -> their values other than "model" (plugins/kv_dtype.py
-# DRAFT_KV_CHOICES and models/quantize.py DRAFTER_WEIGHTS import torch; tests/test_bad_input.py checks they agree)
+# DRAFT_KV_CHOICES and models/quantize.py DRAFTER_WEIGHTS import torch; tests/test_bad_input.py checks they agree);
+# --draft-weights also rounds a ring drafter's weights (RING_TOO)
 DRAFT_ONLY_CHOICES = {"draft-kv-cache": ("fp8",), "draft-weights": ("int8",)}
+RING_TOO = ("draft-weights",)
 
 
 def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
@@ -196,10 +198,15 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
                          f"no budget k; drop --budget, or choose a sparse method ({sparse})")
     if method is not None and not method.needs_draft:
         for option, choices in DRAFT_ONLY_CHOICES.items():
+            ring = option in RING_TOO
+            if ring and method.needs_ring:
+                continue
             value = getattr(args, option.replace("-", "_"))
             if value in choices:  # another value: the full parser's choices refuse it
-                drafting = ", ".join(name for name, f in facts.items() if f.offered and f.needs_draft)
-                raise InputError(f"--{option} {value}: --method {args.method} has no draft model, so it would change "
+                drafting = ", ".join(name for name, f in facts.items()
+                                     if f.offered and (f.needs_draft or (ring and f.needs_ring)))
+                what = "draft model or ring drafter" if ring else "draft model"
+                raise InputError(f"--{option} {value}: --method {args.method} has no {what}, so it would change "
                                  f"nothing; drop --{option}, or choose a method that drafts with one ({drafting})")
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         raise InputError(f"--prompt-file {args.prompt_file} does not exist; pass a text file")
@@ -360,6 +367,7 @@ class MethodFacts:
     offered: bool  # a user option (not evaluation only)
     sparse: bool  # verifies against a budget of k positions (takes --budget)
     needs_draft: bool = True  # drafts with a draft model (takes --draft-kv-cache, --draft-weights)
+    needs_ring: bool = False  # drafts with a ring drafter (takes --draft-weights)
 
 
 def method_facts() -> dict[str, MethodFacts] | None:
@@ -387,7 +395,7 @@ def method_facts() -> dict[str, MethodFacts] | None:
     return None
 
 
-_FLAGS = ("offered", "sparse", "needs_draft")
+_FLAGS = ("offered", "sparse", "needs_draft", "needs_ring")
 
 
 def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFacts] | None:

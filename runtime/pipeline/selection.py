@@ -84,6 +84,8 @@ _WHY_NOT = {
     "dustin-ip-pages": "its page key ranges live with the selection layer's keys, which the first stage may not hold",
     "dustin-ip-la": "it is an evaluation-only method",
     "dustin-ip-dense": "it is an evaluation-only method",
+    **dict.fromkeys(("ring", "dustin-ip-ring"), "the ring drafter is fed the hidden states of target layers that "
+                    "other stages hold, each round"),
 }
 
 

@@ -17,5 +17,6 @@ DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(Laye
 
 
 def build(out: Path, **changes) -> Path:
-    kwargs = dict(target=TARGET, draft=DRAFT, longspark="random", dustin=DUSTIN, limits=LIMITS, seed=3, log=None)
+    kwargs = dict(target=TARGET, draft=DRAFT, longspark="random", ring="random", dustin=DUSTIN, limits=LIMITS, seed=3,
+                  log=None)
     return build_engine(out, **(kwargs | changes))

@@ -16,7 +16,7 @@ from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import random_longspark
-from trtllm_dustin.models.ring_drafter import RingDrafterConfig, random_ring_drafter
+from trtllm_dustin.models.ring_drafter import RingDrafterConfig, load_ring_drafter, random_ring_drafter
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.generation import GenerationConfig
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest
@@ -32,7 +32,7 @@ DUSTIN = DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(Laye
                       budget=40, m=6, n_sink=4, n_recent=8, gamma=3,
                       selection_layers=(LayerHeads(1, tuple(range(6))),))  # sparse: 40 of up to 96 positions (SnapKV's
 # window of 32 must fit in k)
-SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random",
+SERVED = ServingConfig(model="preset:tiny-llama", draft="preset:tiny-llama-draft", longspark="random", ring="random",
                        methods=("classic", "vanilla", "dustin-h"), dustin=DUSTIN, max_batch=4,
                        max_seq_len=MAX_SEQ_LEN, queue_size=32, weights_seed=WEIGHTS_SEED, prefill_chunk=16)
 
@@ -67,14 +67,23 @@ def longspark_drafter():
 
 @functools.cache
 def ring_drafter():
-    """A random ring drafter of the served target (evaluation only: the in-flight parity of the method "ring")."""
+    """A random ring drafter of the served target with a ring of 8 rows, which the in-flight parity's prompts
+    overrun."""
     return random_ring_drafter(_models()[0], RingDrafterConfig((0, 1), (0, 2), window=8, block=4),
                                seed=WEIGHTS_SEED + 2)
 
 
+@functools.cache
+def served_ring_drafter():
+    """The served ring drafter: `--ring random` draws it at random_ring_config's shape with the seed + 2, as the
+    engine does."""
+    return load_ring_drafter("random", _models()[0], seed=WEIGHTS_SEED + 2)
+
+
 def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                seed: int = 0, draft=None) -> str:
-    """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters."""
+                seed: int = 0, draft=None, ring=None) -> str:
+    """The runtime's own answer: decoder.generate([prompt]) on a single-slot decoder, tokens as characters (ring:
+    the ring drafter of the ring methods, default ring_drafter())."""
     target, default_draft = _models()
     draft = draft or default_draft
     speculative = METHODS[method].needs_draft  # a draft model and its cache
@@ -82,7 +91,8 @@ def direct_text(method: str, text: str, max_tokens: int, temperature: float = 0.
         target=target, target_cache=KVCache.allocate(target.config, 1, MAX_SEQ_LEN, torch.float32, "cpu"),
         backend=get_backend("reference"), draft=draft if speculative else None,
         draft_cache=KVCache.allocate(draft.config, 1, MAX_SEQ_LEN, torch.float32, "cpu") if speculative else None,
-        gamma=SERVED.gamma, dustin=DUSTIN, longspark=longspark_drafter(), ring=ring_drafter(), use_cuda_graph=False))
+        gamma=SERVED.gamma, dustin=DUSTIN, longspark=longspark_drafter(), ring=ring or ring_drafter(),
+        use_cuda_graph=False))
     config = GenerationConfig(max_tokens, SamplingParams(temperature, top_p, seed), EOS, prefill_chunk=16)
     with reference_kernels():
         tokens = decoder.generate([[ord(c) for c in text]], config).tokens[0]

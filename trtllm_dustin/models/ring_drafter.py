@@ -31,6 +31,7 @@ from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import model_fingerprint
 from trtllm_dustin.models.checkpoint import save_drafter
 from trtllm_dustin.models.decoder import RMSNorm, Transformer, scatter_vocab
+from trtllm_dustin.models.longspark import spread_layers
 from trtllm_dustin.models.quantize import Int8Linear, check_drafter_weights, project, quantize_linears, quantize_rows
 from trtllm_dustin.models.rope import apply_rope
 from trtllm_dustin.plugins.argmax import argmax_last
@@ -40,8 +41,8 @@ from trtllm_dustin.plugins.skinny_linear import skinny_linear
 from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "HEAD_IDS_FILE", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
-           "load_ring_drafter", "load_ring_weights", "random_ring_drafter", "read_ring_checkpoint",
-           "save_head_ids"]
+           "load_ring_drafter", "load_ring_weights", "random_ring_config", "random_ring_drafter",
+           "read_ring_checkpoint", "ring_config", "save_head_ids"]
 
 RING_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
@@ -68,7 +69,7 @@ class RingDrafterConfig:
                 raise ConfigError(f"ring drafter {name}={getattr(self, name)} must be >= 1")
 
     def check_target(self, target: ModelConfig) -> None:
-        bad = [x for x in self.read_layers + self.own_layers if not 0 <= x < target.num_layers]
+        bad = sorted({x for x in self.read_layers + self.own_layers if not 0 <= x < target.num_layers})
         if bad:
             raise ConfigError(f"ring drafter layers {bad} do not exist in {target.name} ({target.num_layers} layers); "
                               f"{_RETRAIN}")
@@ -499,14 +500,17 @@ def save_head_ids(directory: str | Path, ids: torch.Tensor) -> None:
 
 
 def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head: bool = True,
-                      weights: str = "model") -> RingDrafter:
-    """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one), for
-    `target` (its config checked against the target before any weight is read), in the target's dtype and on its
-    device; proposing from the subset head of its HEAD_IDS_FILE where it has one and `subset_head` is on, else from
-    the whole vocabulary; its layers and head quantized to `weights` (RingDrafter.quantize_weights)."""
+                      weights: str = "model", seed: int = 0) -> RingDrafter:
+    """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one;
+    "random": random weights at `random_ring_config`'s shape, drawn with `seed`), for `target` (its config checked
+    against the target before any weight is read), in the target's dtype and on its device; proposing from the subset
+    head of its HEAD_IDS_FILE where it has one and `subset_head` is on, else from the whole vocabulary; its layers and
+    head quantized to `weights` (RingDrafter.quantize_weights)."""
     from safetensors.torch import load_file
 
     check_drafter_weights(weights)
+    if spec == "random":
+        return random_ring_drafter(target, random_ring_config(target.config), seed).quantize_weights(weights)
     directory, config = read_ring_checkpoint(spec)
     config.check_target(target.config)
     model = load_ring_weights(RingDrafter(config, target), directory)
@@ -518,6 +522,24 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
             raise ConfigError(f"{head} holds no 'head_ids' tensor; delete it to propose from the whole vocabulary")
         model.use_head(ids)
     return model.quantize_weights(weights)
+
+
+def ring_config(spec: str | Path | None, target: ModelConfig) -> RingDrafterConfig:
+    """The config of ring drafter `spec` (as load_ring_drafter takes it), checked against `target`; no weight is
+    read."""
+    if spec == "random":
+        return random_ring_config(target)
+    config = read_ring_checkpoint(spec)[1]
+    config.check_target(target)
+    return config
+
+
+def random_ring_config(target: ModelConfig) -> RingDrafterConfig:
+    """A random ring drafter's shape for `target`, as the packaged one's: it reads 5 target layers spread over the
+    depth and copies 4 (the first and the last among them), W = 256, proposing up to 7 tokens."""
+    n = target.num_layers
+    own = tuple(sorted({round((n - 1) * i / 3) for i in range(4)}))
+    return RingDrafterConfig(read_layers=spread_layers(n), own_layers=own)
 
 
 def load_ring_weights(model: RingDrafter, directory: Path) -> RingDrafter:

@@ -27,6 +27,7 @@ class ServingConfig:
     engine: str | None = None  # an engine directory (`trtllm-dustin build`): its models, configs, dtype, tactics
     draft: str | None = None  # draft model (same forms); needed by the draft-model methods
     longspark: str | None = None  # LongSpark drafter dir or "random"; None = the packaged one (default model only)
+    ring: str | None = None  # ring drafter dir or "random"; None = the packaged one (default model only)
     methods: tuple[str, ...] = ("vanilla",)  # methods served; each keeps its own KV caches (memory x methods)
     default_method: str = ""  # used when a request names none; "" = the first of `methods`
     dustin: DustinConfig | None = None  # Dustin's searched estimator configuration (dustin-* methods)
@@ -39,7 +40,8 @@ class ServingConfig:
     gamma: int = 3  # draft tokens per speculative round
     draft_budget: int = 512  # MagicDec: the draft's StreamingLLM KV budget
     draft_kv_cache: str = "model"  # the draft's KV cache: "model" (its dtype) or "fp8" (e4m3, half the reads)
-    draft_weights: str = "model"  # the draft's layers: "model" (its dtype) or "int8" (weight-only, half the reads)
+    draft_weights: str = "model"  # the draft's (and ring drafter's) layers: "model" (its dtype) or "int8" (weight-only,
+    # half the reads)
     use_cuda_graph: bool = True  # replay captured decode phases on cuda
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET  # prompt tokens prefilled per scheduler step, over the
@@ -48,7 +50,8 @@ class ServingConfig:
     prefix_cache_mib: int = 0  # per method: K/V of prompt prefixes kept for reuse (LRU); 0 = no prefix caching
     prefix_block: int = 256  # prefix caching's granularity: prompts share cached K/V in whole blocks of this many
     decoupled: bool = True  # Triton's decoupled transaction policy: streaming and in-flight batching
-    weights_seed: int = 0  # random-weight presets: the target's seed (the draft's is weights_seed + 1), as the CLI
+    weights_seed: int = 0  # random-weight presets: the target's seed (the draft's and a random LongSpark drafter's
+    # weights_seed + 1, a random ring drafter's + 2), as the CLI
     chat_template: bool = False  # wrap text_input in the tokenizer's chat template before encoding
     request_timeout_s: float = 600.0  # non-decoupled mode: longest a request may take before it is answered with
     # an error (bounds the execute() call that waits for it)
@@ -66,7 +69,8 @@ class ServingConfig:
         if self.default_method and self.default_method not in self.methods:
             raise ConfigError(f"default method {self.default_method!r} is not among the served {self.methods}")
         if self.engine is not None:
-            given = [name for name in ("model", "draft", "longspark", "dustin") if getattr(self, name) is not None]
+            given = [name for name in ("model", "draft", "longspark", "ring", "dustin")
+                     if getattr(self, name) is not None]
             if given:
                 raise ConfigError(f"--engine brings its own models and configs; drop --{given[0]}")
             self._check_limits()
@@ -75,6 +79,10 @@ class ServingConfig:
         if needing and self.longspark is None and self.model is not None:
             raise ConfigError(f"methods {needing} need --longspark DIR (from `trtllm-dustin train-longspark`) or "
                               "--longspark random; only the default model has a packaged one")
+        needing = [m for m in self.methods if METHODS[m].needs_ring]
+        if needing and self.ring is None and self.model is not None:
+            raise ConfigError(f"methods {needing} need --ring DIR (from `trtllm-dustin train-ring-drafter`) or --ring "
+                              "random; only the default model has a packaged one")
         if any(METHODS[m].needs_draft for m in self.methods) and self.draft is None:
             raise ConfigError(f"speculative methods {self.methods} need a draft model; pass --draft "
                               "DIR|FILE.gguf|preset:NAME")

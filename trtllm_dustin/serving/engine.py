@@ -31,6 +31,7 @@ from trtllm_dustin.build_engines.engine import open_engine
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.models.quantize import quantize_draft
+from trtllm_dustin.models.ring_drafter import load_ring_drafter
 from trtllm_dustin.plugins.kernel_config import KernelConfig
 from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
 from trtllm_dustin.runtime.build import attention_backend, build_runtime, runtime_kernels
@@ -411,13 +412,15 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
     dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     speculative = any(METHODS[m].needs_draft for m in config.methods)
     needs_spark = any(METHODS[m].needs_longspark for m in config.methods)
+    needs_ring = any(METHODS[m].needs_ring for m in config.methods)
     tactics = None  # an engine's own tactic table
-    dustin, spark_spec = config.dustin, config.longspark
+    dustin, spark_spec, ring_spec = config.dustin, config.longspark, config.ring
     draft_kv_cache, draft_weights = config.draft_kv_cache, config.draft_weights
     if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
         engine = open_engine(config.engine, device=device, serving=True)
         missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
                                                     ("a LongSpark drafter", needs_spark, engine.longspark),
+                                                    ("a ring drafter", needs_ring, engine.ring),
                                                     ("a Dustin config", any(METHODS[m].needs_dustin for m in
                                                                             config.methods), engine.dustin))
                    if needed and not there]
@@ -430,6 +433,7 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         loaded = engine.target.load(device, dtype)
         draft = engine.draft.load(device, dtype).model if speculative else None
         spark_spec = str(engine.longspark) if needs_spark else None
+        ring_spec = str(engine.ring) if needs_ring else None
         tactics = engine.tactics
     else:
         loaded = load_model(config.model, device=device, dtype=dtype, seed=config.weights_seed)
@@ -439,9 +443,12 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         quantize_draft(draft, draft_weights)
     longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
     kernels = runtime_kernels(KernelConfig.from_env(), tactics)  # the TRTLLM_DUSTIN_* switches, read once for all
+    loaded.model.kernels = kernels  # an int8 ring drafter reads int8_wide off its target when it is rounded
+    ring = load_ring_drafter(ring_spec, loaded.model, weights=draft_weights, seed=config.weights_seed + 2) \
+        if needs_ring else None
     backend = attention_backend(device, kernels, config.backend)
     decoders = {method: build_runtime(  # each method keeps its own KV caches
-        method, loaded.model, draft=draft, longspark=longspark, dustin=dustin, batch_slots=slots,
+        method, loaded.model, draft=draft, longspark=longspark, ring=ring, dustin=dustin, batch_slots=slots,
         max_seq_len=config.max_seq_len, dtype=dtype, draft_kv_dtype=draft_kv_dtype(draft_kv_cache, dtype),
         device=device, kernels=kernels, backend=backend, gamma=config.gamma, draft_budget=config.draft_budget,
         use_cuda_graph=config.use_cuda_graph) for method in config.methods}
