@@ -446,12 +446,15 @@ def _check_memory(directory: Path, manifest: EngineManifest, configs: dict[str, 
                   device: torch.device, rank: int = 0) -> None:
     """Rank `rank`'s share of the engine's weights and of the KV caches of its limits must fit in `device`'s free
     memory (nothing allocated): its target layers (and their cache), the embedding or the head where it holds them,
-    the draft on rank 0."""
+    the draft on rank 0, and a ring drafter's own weights (one stage only)."""
     from trtllm_dustin.kv_cache import MemoryPlanError, check_fits
+    from trtllm_dustin.models.ring_drafter import ring_weight_bytes
 
     limits = manifest.limits
     weights, caches = stage_bytes(configs, manifest.layers, rank, limits.max_batch, limits.max_seq_len,
                                   limits.torch_dtype, limits.draft_kv_cache)
+    if manifest.ring:
+        weights += ring_weight_bytes(directory / "ring", configs["target"], limits.torch_dtype.itemsize)
     try:
         check_fits(f"--engine {directory} (weights {weights / 2**30:.2f} GiB + KV caches of its limits, "
                    f"{limits.max_batch} x {limits.max_seq_len} tokens, {caches / 2**30:.2f} GiB)", weights + caches,

@@ -224,6 +224,30 @@ def test_the_ring_methods_run_the_packaged_ring_drafter_and_commit_the_targets_t
         assert 1.0 < tau < {"ring": 4.0, "ring-int8": 8.0, "dustin-ip-ring": 6.0}[name], name
 
 
+def test_the_memory_check_counts_the_ring_drafter(capsys, monkeypatch, plugin_references) -> None:
+    """generate's check of weights + caches against free memory counts a ring drafter's own weights: the ring method
+    needs exactly ring_weight_bytes more than LongSpark (no draft model, the same target cache) on the same run."""
+    from trtllm_dustin import kv_cache
+    from trtllm_dustin.config import ModelConfig
+    from trtllm_dustin.models.presets import get_preset
+    from trtllm_dustin.models.ring_drafter import ring_weight_bytes
+
+    needed = {}
+    real = kv_cache.check_fits
+    for method in ("longspark", "ring"):
+        def record(what, need, device, method=method, **kwargs):
+            if what.startswith("this run"):  # generate's own check (the cache allocations check again)
+                needed[method] = need
+            return real(what, need, device, **kwargs)
+
+        monkeypatch.setattr(kv_cache, "check_fits", record)
+        assert main(["generate", "--model", "preset:tiny-llama", "--method", method, f"--{method}", "random",
+                     "--prompt-tokens", "20", "--max-new-tokens", "6"]) == 0
+    capsys.readouterr()
+    config: ModelConfig = get_preset("tiny-llama")
+    assert needed["ring"] - needed["longspark"] == ring_weight_bytes("random", config, 4) > 0
+
+
 def test_int8_draft_weights_change_proposals_never_tokens(capsys, tmp_path, monkeypatch, plugin_references) -> None:
     """generate --draft-weights int8: the draft runs with its layers' projections in weight-only int8 (what reaches
     the runtime, held on to here), and greedy speculative decoding commits exactly the tokens it commits with the

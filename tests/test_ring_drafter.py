@@ -695,3 +695,28 @@ def test_captured_rounds_on_the_gpu_propose_what_eager_rounds_propose(weights: s
     assert runs[False][2] == rounds > 2 and min(len(runs[True][1]), len(runs[False][1])) >= rounds
     for captured, eager in zip(runs[True][1][:rounds], runs[False][1][:rounds], strict=True):
         assert torch.equal(captured, eager)
+
+
+def test_the_memory_checks_count_a_ring_drafters_own_weights(tmp_path) -> None:
+    """ring_weight_bytes, read from a checkpoint's config and head file without loading it: the bytes of the loaded
+    drafter's layers, F, P and subset-head rows (its input and output norms, a few vectors, left out); a random
+    drafter has no subset head. Counted at the itemsize asked (the run's dtype)."""
+    from trtllm_dustin.models.ring_drafter import load_ring_drafter, random_ring_config, ring_weight_bytes
+
+    target = load_model("preset:tiny-llama", dtype=torch.float32, seed=0).model
+    config = random_ring_config(target.config)
+    assert config == RingDrafterConfig(read_layers=(1, 2), own_layers=(0, 1, 2))
+
+    def own_bytes(model: RingDrafter) -> int:
+        linear = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                     if not name.startswith(("read_norms.", "own_norm.")))
+        return linear + (0 if model._head_rows is None else model._head_rows.numel() * model._head_rows.element_size())
+
+    random = load_ring_drafter("random", target, seed=1)
+    assert random.config == config and random.head_ids is None
+    assert ring_weight_bytes("random", target.config, 4) == own_bytes(random)
+    random.use_head(torch.arange(0, 257, 3)).save(tmp_path / "ring")
+    saved = load_ring_drafter(tmp_path / "ring", target)
+    assert saved.head_ids is not None and len(saved.head_ids) == 86
+    assert ring_weight_bytes(tmp_path / "ring", target.config, 4) == own_bytes(saved)
+    assert ring_weight_bytes(tmp_path / "ring", target.config, 2) * 2 == own_bytes(saved)

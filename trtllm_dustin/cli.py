@@ -685,11 +685,12 @@ def _draft_weights(draft: Transformer, kind: str) -> Transformer:
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
                   kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype,
-                  shares: list[float] | None = None, sparse_k: int | None = None) -> int:
+                  shares: list[float] | None = None, sparse_k: int | None = None, drafter_bytes: int = 0) -> int:
     """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
     each model's positions, --budget against the cache, and the weights + caches (+ the sparse verification's gather
     at k, `sparse_k`, for a sparse method) against the device's free memory (shares: the fraction of each model this
-    process holds, a pipeline stage's; default all). Returns the cache length."""
+    process holds, a pipeline stage's; default all; drafter_bytes: a ring drafter's own weights, counted with the
+    weights). Returns the cache length."""
     from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
     from trtllm_dustin.runtime.generation import check_lengths
 
@@ -711,8 +712,8 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
     if sparse_k is not None and args.budget is not None:
         check_budget(args.budget, max_seq_len)
     shares = shares or [1.0] * len(models)
-    weights = sum(int(share * checkpoint.config.num_parameters() * dtype.itemsize)
-                  for (_, checkpoint), share in zip(models, shares, strict=True))
+    weights = drafter_bytes + sum(int(share * checkpoint.config.num_parameters() * dtype.itemsize)
+                                  for (_, checkpoint), share in zip(models, shares, strict=True))
     caches = sum(int(share * KVCache.nbytes_for(checkpoint.config, args.batch_size, max_seq_len, kv))
                  for (_, checkpoint), kv, share in zip(models, kv_dtypes, shares, strict=True))
     gather = 0 if sparse_k is None else _gather_bytes(models[0][1].config, args.batch_size, sparse_k, lookahead, dtype)
@@ -744,7 +745,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from trtllm_dustin.models.longspark import load_longspark
-    from trtllm_dustin.models.ring_drafter import load_ring_drafter
+    from trtllm_dustin.models.ring_drafter import load_ring_drafter, ring_weight_bytes
     from trtllm_dustin.plugins.kernel_config import KernelConfig
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.build import build_runtime
@@ -778,7 +779,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args, target)
     lookahead = args.gamma if speculative else 0
     max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype,
-                                sparse_k=_sparse_k(args, method, dustin))
+                                sparse_k=_sparse_k(args, method, dustin),
+                                drafter_bytes=ring_weight_bytes(args.ring, target.config, dtype.itemsize)
+                                if method.needs_ring else 0)
 
     # ---- load the weights
     loaded = _load("target", target, device, dtype)
@@ -1118,7 +1121,7 @@ def _repository_models(args: argparse.Namespace
     from trtllm_dustin.kv_cache import KVCache, check_fits
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
-    from trtllm_dustin.models.ring_drafter import DEFAULT_RING
+    from trtllm_dustin.models.ring_drafter import DEFAULT_RING, ring_weight_bytes
     from trtllm_dustin.plugins.kv_dtype import draft_kv_dtype
     from trtllm_dustin.runtime.methods import METHODS
 
@@ -1141,6 +1144,8 @@ def _repository_models(args: argparse.Namespace
     if args.budget is not None:
         check_budget(args.budget, args.max_seq_len)
     weights = sum(checkpoint.config.num_parameters() * dtype.itemsize for _, checkpoint, _, _ in models)
+    if any(METHODS[m].needs_ring for m in args.method):  # one ring drafter, shared by the methods that draft with it
+        weights += ring_weight_bytes(args.ring, target.config, dtype.itemsize)
     caches = sum(copies * KVCache.nbytes_for(checkpoint.config, args.max_batch, args.max_seq_len, kv)
                  for _, checkpoint, kv, copies in models)
     ks = [k for k in (_sparse_k(args, METHODS[m], dustin) for m in args.method) if k is not None]

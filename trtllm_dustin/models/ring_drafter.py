@@ -42,7 +42,7 @@ from trtllm_dustin.validation import load_versioned, versioned_json
 
 __all__ = ["DEFAULT_RING", "HEAD_IDS_FILE", "RING_SCHEMA_VERSION", "RingDrafter", "RingDrafterConfig", "RingState",
            "load_ring_drafter", "load_ring_weights", "random_ring_config", "random_ring_drafter",
-           "read_ring_checkpoint", "ring_config", "save_head_ids"]
+           "read_ring_checkpoint", "ring_config", "ring_weight_bytes", "save_head_ids"]
 
 RING_SCHEMA_VERSION = 1
 _PACKAGED = Path(__file__).resolve().parent.parent / "weights" / "smollm2_ring"
@@ -532,6 +532,24 @@ def ring_config(spec: str | Path | None, target: ModelConfig) -> RingDrafterConf
     config = read_ring_checkpoint(spec)[1]
     config.check_target(target)
     return config
+
+
+def ring_weight_bytes(spec: str | Path | None, target: ModelConfig, itemsize: int) -> int:
+    """Bytes of ring drafter `spec`'s own weights in a dtype of `itemsize` bytes (the memory checks' count, before
+    any weight is read; int8 rounding halves its layers later, so this bounds it): its layers, F and P, and the
+    target's output rows its subset head copies (the head file's length, read from its header)."""
+    config = ring_config(spec, target)
+    H = target.hidden_size
+    head_rows = 0
+    if spec != "random":
+        head = read_ring_checkpoint(spec)[0] / HEAD_IDS_FILE
+        if head.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(head), framework="pt") as f:
+                head_rows = f.get_slice("head_ids").get_shape()[0] if "head_ids" in f.keys() else 0
+    params = len(config.own_layers) * target.layer_parameters() + (len(config.read_layers) + 1) * H * H
+    return (params + head_rows * H) * itemsize
 
 
 def random_ring_config(target: ModelConfig) -> RingDrafterConfig:
