@@ -64,6 +64,11 @@ BEFORE_ANYTHING = [
     (["generate", "--method", "longspark", "--draft-kv-cache", "fp8"], E + "--draft-kv-cache fp8: --method longspark "
      "has no draft model, so it would change nothing; drop --draft-kv-cache, or choose a method that drafts with one "
      f"({DRAFTING})"),
+    (["generate", "--ring", "random"], E + "--ring random: --method vanilla drafts with no ring drafter, so it would "
+     "change nothing; drop --ring, or choose a method that drafts with one (ring, dustin-ip-ring)"),
+    (["generate", "--method", "ring", "--longspark", "random"], E + "--longspark random: --method ring drafts with no "
+     "LongSpark drafter, so it would change nothing; drop --longspark, or choose a method that drafts with one "
+     "(longspark, dustin-t-longspark, dustin-ip-longspark)"),
     (["generate", "--batch-size", "0"], E + "--batch-size 0 must be >= 1; raise it"),
     (["generate", "--max-new-tokens", "-5"], E + "--max-new-tokens -5 must be >= 1; raise it"),
     (["generate", "--max-seq-len", "0"], E + "--max-seq-len 0 must be >= 1; raise it"),
@@ -260,7 +265,7 @@ def test_the_registry_read_without_torch_is_the_registry() -> None:
     facts = method_facts()
     assert tuple(facts) == OFFERED and all(f.offered for f in facts.values())
     assert facts == {name: MethodFacts(METHODS[name].offered, METHODS[name].sparse, METHODS[name].needs_draft,
-                                       METHODS[name].needs_ring) for name in OFFERED}
+                                       METHODS[name].needs_ring, METHODS[name].needs_longspark) for name in OFFERED}
 
 
 def test_the_draft_only_choices_read_without_torch_are_the_options() -> None:

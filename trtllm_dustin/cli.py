@@ -26,6 +26,7 @@ from trtllm_dustin.validation import (
     RANGES,
     InputError,
     check_budget,
+    check_drafter_options,
     check_generate_options,
     check_options,
     method_facts,
@@ -1015,9 +1016,10 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK, LongSparkConfig, longspark_config
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL, default_dustin_config_path
     from trtllm_dustin.models.ring_drafter import DEFAULT_RING, ring_config
-    from trtllm_dustin.runtime.methods import METHODS
+    from trtllm_dustin.runtime.methods import METHODS, OFFERED_METHODS
 
     default_model = args.model in (None, DEFAULT_MODEL) and engine is None
+    check_drafter_options(args, methods, {m: METHODS[m] for m in OFFERED_METHODS})
     draft = None
     needing = [m for m in methods if METHODS[m].needs_draft]
     if needing:

@@ -27,7 +27,7 @@ import math
 import types
 import typing
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,7 +35,8 @@ from typing import Any, TypeVar
 from trtllm_dustin.errors import ConfigError
 
 __all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError",
-           "MethodFacts", "Range", "Terms", "check_budget", "check_fields", "check_generate_options", "check_options",
+           "MethodFacts", "Range", "Terms", "check_budget", "check_drafter_options", "check_fields",
+           "check_generate_options", "check_options",
            "check_request_length", "check_value", "load_versioned", "method_facts", "read_json_object",
            "read_versioned", "sparse_gather_bytes", "versioned_json"]
 
@@ -186,6 +187,8 @@ def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> No
 # --draft-weights also rounds a ring drafter's weights (RING_TOO)
 DRAFT_ONLY_CHOICES = {"draft-kv-cache": ("fp8",), "draft-weights": ("int8",)}
 RING_TOO = ("draft-weights",)
+# options naming a drafter of their own methods only -> (the MethodFacts flag of those methods, what the drafter is)
+DRAFTER_OPTIONS = {"longspark": ("needs_longspark", "LongSpark drafter"), "ring": ("needs_ring", "ring drafter")}
 
 
 def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
@@ -208,9 +211,23 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
                 what = "draft model or ring drafter" if ring else "draft model"
                 raise InputError(f"--{option} {value}: --method {args.method} has no {what}, so it would change "
                                  f"nothing; drop --{option}, or choose a method that drafts with one ({drafting})")
+    if facts is not None:
+        check_drafter_options(args, [args.method], facts)
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         raise InputError(f"--prompt-file {args.prompt_file} does not exist; pass a text file")
     check_options(args)
+
+
+def check_drafter_options(args: Namespace, methods: Sequence[str], facts: Mapping[str, Any]) -> None:
+    """--longspark / --ring name a drafter that only their own methods read: given with none of those among `methods`
+    (facts: name -> MethodFacts or the registry's Method), it would change nothing, and is refused."""
+    for option, (flag, what) in DRAFTER_OPTIONS.items():
+        value = getattr(args, option, None)
+        if value is not None and not any(getattr(facts[m], flag) for m in methods):
+            using = ", ".join(name for name, f in facts.items() if f.offered and getattr(f, flag))
+            chosen = f"--method {methods[0]}" if len(methods) == 1 else f"methods {', '.join(methods)}"
+            raise InputError(f"--{option} {value}: {chosen} drafts with no {what}, so it would change nothing; drop "
+                             f"--{option}, or choose a method that drafts with one ({using})")
 
 
 def check_request_length(field: str, prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int) -> None:
@@ -367,7 +384,8 @@ class MethodFacts:
     offered: bool  # a user option (not evaluation only)
     sparse: bool  # verifies against a budget of k positions (takes --budget)
     needs_draft: bool = True  # drafts with a draft model (takes --draft-kv-cache, --draft-weights)
-    needs_ring: bool = False  # drafts with a ring drafter (takes --draft-weights)
+    needs_ring: bool = False  # drafts with a ring drafter (takes --ring, --draft-weights)
+    needs_longspark: bool = False  # drafts with a LongSpark drafter (takes --longspark)
 
 
 def method_facts() -> dict[str, MethodFacts] | None:
@@ -395,7 +413,7 @@ def method_facts() -> dict[str, MethodFacts] | None:
     return None
 
 
-_FLAGS = ("offered", "sparse", "needs_draft", "needs_ring")
+_FLAGS = ("offered", "sparse", "needs_draft", "needs_ring", "needs_longspark")
 
 
 def _facts(registry: ast.Dict, defaults: dict[str, Any]) -> dict[str, MethodFacts] | None:
