@@ -246,8 +246,8 @@ METHODS: dict[str, Method] = {
     "dustin-ip-longspark": Method(longspark_drafter, in_pass_selector(), "LongSpark draft, in-pass selection",
                                   needs_draft=False, needs_longspark=True, needs_dustin=True, sparse=True),
     # The ring drafter (issue 38): own layers over a ring of the last W positions, fed the target's hidden states.
-    "ring": Method(ring_drafter, _full, "the ring drafter: fixed-cost draft of up to 7 tokens (--ring), full "
-                   "verification", needs_draft=False, needs_ring=True),
+    "ring": Method(ring_drafter, _full, "the ring drafter (own layers over a ring of recent positions, fixed cost; "
+                   "--ring), full verification", needs_draft=False, needs_ring=True),
     "dustin-ip-ring": Method(ring_drafter, in_pass_selector(), "the ring drafter (--ring), in-pass selection",
                              needs_draft=False, needs_ring=True, needs_dustin=True, sparse=True),
 }
