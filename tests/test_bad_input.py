@@ -141,6 +141,10 @@ BEFORE_WEIGHTS = [
      "or --ring random for random weights"),
     ([*TINY, "--method", "ring", "--ring", "{tmp}"], E + "{tmp}: no ring drafter there (config.json missing); write "
      "one with `trtllm-dustin train-ring-drafter`"),
+    ([*TINY, "--method", "ring", "--ring", "{tmp}/run"], E + "{tmp}/run is a training run's folder; its ring drafter "
+     "is {tmp}/run/checkpoint: pass that"),
+    ([*TINY, "--method", "longspark", "--longspark", "{tmp}/run"], E + "--longspark {tmp}/run is a training run's "
+     "folder; its drafter is {tmp}/run/checkpoint: pass that"),
     ([*TINY, "--method", "ring", "--ring", "smollm2-ring"], E + "ring drafter layers [3, 9, 10, 15, 20, 22, 29] do "
      "not exist in tiny-llama (3 layers); train one for it with `trtllm-dustin train-ring-drafter`"),
     ([*TINY, "--max-seq-len", "5000"], E + "--max-seq-len 5000 exceeds the target's 2048 positions (tiny-llama); "
@@ -159,7 +163,7 @@ BEFORE_WEIGHTS = [
      "verifies in full)"),
 ]
 
-CONFIGS = {  # the --dustin-config files of BEFORE_WEIGHTS
+CONFIGS = {  # the --dustin-config files of BEFORE_WEIGHTS, and a training run's folder (run/)
     "list.json": "[1, 2, 3]",
     "budget.json": {"schema_version": 1, "target_layers": [{"layer": 1, "heads": [0]}], "draft_layers": [],
                     "budget": "big"},
@@ -168,6 +172,7 @@ CONFIGS = {  # the --dustin-config files of BEFORE_WEIGHTS
     "cut.json": '{"schema_version": 1\n',
     "small.json": {"schema_version": 1, "target_layers": [{"layer": 1, "heads": [0]}], "draft_layers": [],
                    "budget": 10},
+    "run/checkpoint/config.json": "{}",
 }
 
 
@@ -184,6 +189,7 @@ def nothing_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 def _refused(argv: list[str], tmp_path: Path, capsys) -> tuple[str, str]:
     """(stdout, stderr) of a command that must exit with status 2."""
     for name, content in CONFIGS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
     try:
         code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
@@ -200,7 +206,8 @@ def test_an_option_out_of_range_is_refused_before_anything(argv, message: str, t
     out, err = _refused(argv, tmp_path, capsys)
     assert err == message.replace("{tmp}", str(tmp_path)) + "\n"
     assert out == ""  # not even generate's first line ("loading ...")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CONFIGS)  # no repository, engine or output
+    # no repository, engine or output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({name.split("/")[0] for name in CONFIGS})
 
 
 @pytest.mark.parametrize("argv, message", BEFORE_WEIGHTS, ids=[" ".join(a[-2:]) for a, _ in BEFORE_WEIGHTS])

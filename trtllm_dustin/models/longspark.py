@@ -330,6 +330,9 @@ def _checkpoint_dir(spec: str | Path | None) -> Path:
     if not (directory / "config.json").is_file():
         if directory == _PACKAGED:
             raise ConfigError(f"the packaged LongSpark drafter is missing ({directory}); reinstall the package")
+        if (directory / "checkpoint" / "config.json").is_file():
+            raise ConfigError(f"--longspark {spec} is a training run's folder; its drafter is "
+                              f"{directory / 'checkpoint'}: pass that")
         raise ConfigError(f"--longspark {spec}: no LongSpark checkpoint there (config.json missing); write one with "
                           "`trtllm-dustin train-longspark`")
     return directory

@@ -583,6 +583,9 @@ def read_ring_checkpoint(spec: str | Path | None) -> tuple[Path, RingDrafterConf
     if not path.is_file():
         if directory == _PACKAGED:
             raise ConfigError(f"the packaged ring drafter is missing ({directory}); reinstall the package")
+        if (directory / "checkpoint" / "config.json").is_file():
+            raise ConfigError(f"{directory} is a training run's folder; its ring drafter is "
+                              f"{directory / 'checkpoint'}: pass that")
         raise ConfigError(f"{directory}: no ring drafter there (config.json missing); write one with `trtllm-dustin "
                           "train-ring-drafter`")
     config = RingDrafterConfig.from_json(path.read_text(), f"ring drafter config {path}")
