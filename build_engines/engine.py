@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -425,6 +426,22 @@ def open_engine(directory: str | Path, *, device: torch.device | str = "cpu", wo
                         dustin, directory / "longspark" if manifest.longspark else None,
                         directory / "ring" if manifest.ring else None, tactics, notes, rank,
                         _sha256(path))
+
+
+def check_serves(engine: OpenedEngine, methods: Sequence[str]) -> None:
+    """Raise EngineError, naming the method, the part and the build option that adds it, when the engine lacks what
+    one of `methods` runs with: a draft model, a LongSpark or ring drafter, a Dustin config."""
+    from trtllm_dustin.runtime.methods import METHODS
+
+    parts = (("needs_draft", "a draft model", engine.draft, "--draft"),
+             ("needs_longspark", "a LongSpark drafter", engine.longspark, "--longspark"),
+             ("needs_ring", "a ring drafter", engine.ring, "--ring"),
+             ("needs_dustin", "a Dustin config", engine.dustin, "--dustin-config"))
+    for method in methods:
+        for flag, what, there, option in parts:
+            if getattr(METHODS[method], flag) and there is None:
+                raise EngineError(f"--method {method} needs {what}; the engine {engine.directory} has none (rebuild "
+                                  f"it with {option})")
 
 
 def _read_by(name: str, rank: int) -> bool:

@@ -195,6 +195,20 @@ def test_run_limits_and_missing_parts_are_refused(engine_dir: Path, tmp_path: Pa
     assert main(["generate", "--engine", str(plain), "--prompt-tokens", "8", "--method", "ring"]) == 2
     assert f"--method ring needs a ring drafter; the engine {plain} has none (rebuild it with --ring)" in \
         capsys.readouterr().err
+    # a repository of the engine is refused as it is written, not first when the server loads it; so is a served
+    # config that names such a method
+    for method, what, option in (("classic", "a draft model", "--draft"), ("dustin-t-longspark", "a LongSpark drafter",
+                                 "--longspark"), ("dustin-ip-ring", "a ring drafter", "--ring")):
+        assert main(["triton-repo", "--out", str(tmp_path / "repo"), "--engine", str(plain), "--method", "vanilla",
+                     method, "--max-batch", "2", "--max-seq-len", "96"]) == 2
+        assert f"--method {method} needs {what}; the engine {plain} has none (rebuild it with {option})" in \
+            capsys.readouterr().err
+        assert not (tmp_path / "repo").exists()
+    from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.engine import served_decoders
+
+    with pytest.raises(EngineError, match="--method dustin-h needs a draft model"):
+        served_decoders(ServingConfig(engine=str(plain), methods=("dustin-h",), max_batch=2, max_seq_len=96))
 
 
 def test_build_refuses_before_reading_weights(tmp_path: Path, engine_dir: Path) -> None:

@@ -611,7 +611,7 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     """generate --engine: check the engine (format, every file's sha256, fingerprints) and the run against its limits,
     and take its models, drafter and dtype in place of the options that name them. A pipeline stage (rank of
     world_size) checks the files it reads."""
-    from trtllm_dustin.build_engines.engine import EngineError, open_engine
+    from trtllm_dustin.build_engines.engine import EngineError, check_serves, open_engine
 
     given = [name for name in ("model", "draft", "longspark", "ring", "dustin_config")
              if getattr(args, name) is not None]
@@ -626,18 +626,10 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
         if asked > limit:
             raise EngineError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
                               f"--{'max-batch' if name == 'batch-size' else name} {asked}")
-    if method.needs_draft and engine.draft is None:
-        raise EngineError(f"--method {args.method} needs a draft model; the engine {args.engine} has none (rebuild "
-                          "it with --draft)")
+    check_serves(engine, [args.method])
     if method.needs_longspark:
-        if engine.longspark is None:
-            raise EngineError(f"--method {args.method} needs a LongSpark drafter; the engine {args.engine} has none "
-                              "(rebuild it with --longspark)")
         args.longspark = str(engine.longspark)
     if method.needs_ring:
-        if engine.ring is None:
-            raise EngineError(f"--method {args.method} needs a ring drafter; the engine {args.engine} has none "
-                              "(rebuild it with --ring)")
         args.ring = str(engine.ring)
     args.draft_kv_cache, args.draft_weights = limits.draft_kv_cache, limits.draft_weights
     print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
@@ -925,13 +917,14 @@ def _triton_repo(args: argparse.Namespace) -> int:
     if args.engine is None:  # the models, drafter, Dustin config, device and limits, as `generate` checks them
         args.model, args.draft, args.longspark, args.ring, dustin = _repository_models(args)
     else:  # checked now, not first when the server loads the model
-        from trtllm_dustin.build_engines.engine import open_engine
+        from trtllm_dustin.build_engines.engine import check_serves, open_engine
 
         dustin = None
         if args.budget is not None:
             raise ValueError(f"--budget {args.budget}: a served engine keeps the budget it was built with; rebuild it "
                              f"with `trtllm-dustin build --budget {args.budget} ...`, or drop --budget")
         opened = open_engine(args.engine, device=args.device, serving=True)
+        check_serves(opened, args.method)
         limits = opened.manifest.limits
         if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
             raise ValueError(f"--max-batch {args.max_batch} / --max-seq-len {args.max_seq_len} exceed the engine's "

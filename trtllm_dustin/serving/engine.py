@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from trtllm_dustin.build_engines.engine import open_engine
+from trtllm_dustin.build_engines.engine import check_serves, open_engine
 from trtllm_dustin.models import load_model
 from trtllm_dustin.models.longspark import load_longspark
 from trtllm_dustin.models.quantize import quantize_draft
@@ -418,15 +418,7 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
     draft_kv_cache, draft_weights = config.draft_kv_cache, config.draft_weights
     if config.engine is not None:  # checked (format, sha256s, fingerprints, memory) before anything loads
         engine = open_engine(config.engine, device=device, serving=True)
-        missing = [what for what, needed, there in (("a draft model", speculative, engine.draft is not None),
-                                                    ("a LongSpark drafter", needs_spark, engine.longspark),
-                                                    ("a ring drafter", needs_ring, engine.ring),
-                                                    ("a Dustin config", any(METHODS[m].needs_dustin for m in
-                                                                            config.methods), engine.dustin))
-                   if needed and not there]
-        if missing:
-            raise ValueError(f"the methods {list(config.methods)} need {missing[0]}; the engine {config.engine} "
-                             "has none: rebuild it with it")
+        check_serves(engine, config.methods)
         limits = engine.manifest.limits  # the engine's dtype and draft choices, whatever the config says
         dtype, dustin, draft_kv_cache, draft_weights = limits.torch_dtype, engine.dustin, limits.draft_kv_cache, \
             limits.draft_weights
