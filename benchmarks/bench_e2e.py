@@ -93,14 +93,15 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
                            for flag, (field, _) in SWITCHES.items()})
 
 
-def bench_ring_drafter(target, reads, own_layers: int, head_ids: int = 0, weights: str = "model"):
+def bench_ring_drafter(target, reads, own_layers: int, head_ids: int = 0, weights: str = "model",
+                       wide: bool = False):
     """The benches' random ring drafter at the real shapes: `own_layers` of the target's shape spread over its
     depth, reading the layers `reads`, a ring of 256 rows, a block of 7; with a subset head of `head_ids` ids (the
     first ones: which ids does not change the cost), or the whole vocabulary (0); its layers and head as `weights`
-    (RingDrafter.quantize_weights)."""
+    (RingDrafter.quantize_weights; `wide`: KernelConfig.int8_wide)."""
     model = random_ring_drafter(target, RingDrafterConfig(reads, spread_layers(target.config.num_layers, own_layers),
                                                           256, 7), seed=3)
-    return model.use_head(torch.arange(head_ids) if head_ids else None).quantize_weights(weights)
+    return model.use_head(torch.arange(head_ids) if head_ids else None).quantize_weights(weights, wide)
 
 
 FP8_DRAFT = "+fp8kv"  # method-name suffix: the draft's KV cache in fp8
@@ -250,7 +251,8 @@ def bench_batch(pair: Pair, target, draft, batch: int, contexts: list[int], args
     if any(METHODS[split_method(m)[0]].needs_longspark for m in args.methods):
         spark = random_longspark(target, seed=2, target_layers=layers)
     if any(METHODS[split_method(m)[0]].needs_ring for m in args.methods):
-        ring = bench_ring_drafter(target, layers, args.ring_layers, args.ring_head_ids, args.ring_weights)
+        ring = bench_ring_drafter(target, layers, args.ring_layers, args.ring_head_ids, args.ring_weights,
+                                  kernels.int8_wide)
     runs = [(method, budget) for method in args.methods
             for budget in (args.budgets if METHODS[split_method(method)[0]].sparse else [None])]
     for method, budget in runs:

@@ -308,10 +308,11 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
         if longspark is not None:
             sources["longspark"] = {"spec": "random", "seed": seed + 1} if longspark == "random" else \
                 {"spec": longspark, "files": _source_record(str(longspark_directory(longspark)), seed)["files"]}
-        if ring is not None:
-            sources["ring"] = {"spec": "random", "seed": seed + 2} if ring == "random" else \
-                {"spec": ring, "files": _hash_files(tmp / "ring", sorted((tmp / "ring").iterdir()))}
         files = _hash_files(tmp, sorted(p for p in tmp.rglob("*") if p.is_file()))
+        if ring is not None:  # its files are the checkpoint's, copied as they are: their hashes are the engine's
+            sources["ring"] = {"spec": "random", "seed": seed + 2} if ring == "random" else \
+                {"spec": ring, "files": {name.removeprefix("ring/"): digest for name, digest in files.items()
+                                         if name.startswith("ring/")}}
         manifest = EngineManifest(
             format_version=ENGINE_FORMAT_VERSION, package_version=__version__, git_sha=git_sha(), sources=sources,
             fingerprints=fingerprints, limits=limits, pp_size=pp_size, layers=layers, tactics_gpu=gpu, tuned=tune,

@@ -615,20 +615,19 @@ def test_int8_weights_halve_what_the_layers_and_head_hold_and_move_the_outputs_l
     assert ((logits_after[..., ids] - inside).abs().max() < 0.05 * inside.abs().max())
 
 
-def test_int8_layers_keep_a_wide_copy_when_the_kernel_config_asks(target, monkeypatch) -> None:
+def test_int8_layers_keep_a_wide_copy_when_the_kernel_config_asks(target) -> None:
     """KernelConfig.int8_wide on: every int8 projection of the own layers keeps its dequantized weight in the
     drafter's dtype for the observe pass's wide calls; off (the default), none is kept (no memory spent)."""
     from trtllm_dustin.models.quantize import Int8Linear
 
-    monkeypatch.setattr(target, "kernels", KernelConfig(int8_wide=True))
-    kept = _drafter(target).use_head(torch.arange(0, 257, 2)).quantize_weights("int8")
+    kept = _drafter(target).use_head(torch.arange(0, 257, 2)).quantize_weights(
+        "int8", wide=KernelConfig(int8_wide=True).int8_wide)
     wide = [m for layer in kept.layers for m in layer.modules() if isinstance(m, Int8Linear)]
     assert len(wide) == 4 * len(OWN)
     for m in wide:
         assert m.wide is not None and m.wide.dtype == kept.dtype
         assert torch.equal(m.wide, m.dequantized().to(kept.dtype))
-    monkeypatch.setattr(target, "kernels", KernelConfig())
-    bare = _drafter(target).quantize_weights("int8")
+    bare = _drafter(target).quantize_weights("int8", wide=KernelConfig().int8_wide)
     assert all(m.wide is None for layer in bare.layers for m in layer.modules() if isinstance(m, Int8Linear))
     assert bare.weights == kept.weights == "int8"
 

@@ -783,9 +783,8 @@ def _generate(args: argparse.Namespace) -> int:
         _draft_weights(draft_model, args.draft_weights)
     longspark = load_longspark(args.longspark, loaded.model, seed=args.seed + 1) if method.needs_longspark else None
     kernels = KernelConfig.from_env()  # the TRTLLM_DUSTIN_* switches, read once
-    loaded.model.kernels = kernels  # an int8 ring drafter reads int8_wide off its target when it is rounded
-    ring = load_ring_drafter(args.ring, loaded.model, weights=args.draft_weights, seed=args.seed + 2) \
-        if method.needs_ring else None
+    ring = load_ring_drafter(args.ring, loaded.model, weights=args.draft_weights, seed=args.seed + 2,
+                             wide=kernels.int8_wide) if method.needs_ring else None
     config = loaded.model.config
     decoder = build_runtime(  # an engine brings its own (tuned) tactic table
         args.method, loaded.model, draft=draft_model, longspark=longspark, ring=ring, dustin=dustin,
@@ -1040,7 +1039,7 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
               flush=True)
     needing = [m for m in methods if METHODS[m].needs_ring]
     if needing:
-        if getattr(args, "ring", None) is None:
+        if args.ring is None:
             if not default_model:
                 raise ConfigError(f"methods {needing} need --ring DIR (from `trtllm-dustin train-ring-drafter`), or "
                                   "--ring random for random weights")

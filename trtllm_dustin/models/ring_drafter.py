@@ -193,21 +193,20 @@ class RingDrafter(nn.Module):
         """What quantize_weights made of the layers and the subset head: "int8" or "model"."""
         return "int8" if isinstance(self.layers[0].attention.wqkv, Int8Linear) else "model"
 
-    def quantize_weights(self, kind: str) -> RingDrafter:
+    def quantize_weights(self, kind: str, wide: bool = False) -> RingDrafter:
         """Serve with `kind` weights: "model" leaves them as they are; "int8" rounds every projection of the own
         layers, and the subset head's rows where there is one, to weight-only int8 with one scale per output row
         (models/quantize.py). What a slot step reads from them halves; F, P and the norms stay in the model's
-        dtype. Proposals change (tau is measured per kind), never what decoding commits. With the target's
-        `kernels.int8_wide` on, each int8 projection also keeps its dequantized weight in the drafter's dtype, which
-        the observe pass's wide calls read (models/quantize.py). Call it after use_head, once, on a drafter that will
-        not be trained further, in the dtype and on the device it serves in."""
+        dtype. Proposals change (tau is measured per kind), never what decoding commits. With `wide` (the run's
+        `KernelConfig.int8_wide`), each int8 projection also keeps its dequantized weight in the drafter's dtype,
+        which the observe pass's wide calls read (models/quantize.py). Call it after use_head, once, on a drafter that
+        will not be trained further, in the dtype and on the device it serves in."""
         if check_drafter_weights(kind) == "model":
             return self
         if self.weights != "model":
             raise ConfigError(f"this ring drafter is already {self.weights}")
-        wide = self.dtype if self.target.kernels.int8_wide else None
         for layer in self.layers:
-            quantize_linears(layer, wide)
+            quantize_linears(layer, self.dtype if wide else None)
         if self._head_rows is not None:
             self._head_rows, self._head_scale = quantize_rows(self._head_rows)
         return self
@@ -500,17 +499,17 @@ def save_head_ids(directory: str | Path, ids: torch.Tensor) -> None:
 
 
 def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head: bool = True,
-                      weights: str = "model", seed: int = 0) -> RingDrafter:
+                      weights: str = "model", seed: int = 0, wide: bool = False) -> RingDrafter:
     """The ring drafter `RingDrafter.save` wrote to directory `spec` (None or "smollm2-ring": the packaged one;
     "random": random weights at `random_ring_config`'s shape, drawn with `seed`), for `target` (its config checked
     against the target before any weight is read), in the target's dtype and on its device; proposing from the subset
     head of its HEAD_IDS_FILE where it has one and `subset_head` is on, else from the whole vocabulary; its layers and
-    head quantized to `weights` (RingDrafter.quantize_weights)."""
+    head quantized to `weights` (RingDrafter.quantize_weights, with `wide`: the run's KernelConfig.int8_wide)."""
     from safetensors.torch import load_file
 
     check_drafter_weights(weights)
     if spec == "random":
-        return random_ring_drafter(target, random_ring_config(target.config), seed).quantize_weights(weights)
+        return random_ring_drafter(target, random_ring_config(target.config), seed).quantize_weights(weights, wide)
     directory, config = read_ring_checkpoint(spec)
     config.check_target(target.config)
     model = load_ring_weights(RingDrafter(config, target), directory)
@@ -521,7 +520,7 @@ def load_ring_drafter(spec: str | Path | None, target: Transformer, subset_head:
         if ids is None:
             raise ConfigError(f"{head} holds no 'head_ids' tensor; delete it to propose from the whole vocabulary")
         model.use_head(ids)
-    return model.quantize_weights(weights)
+    return model.quantize_weights(weights, wide)
 
 
 def ring_config(spec: str | Path | None, target: ModelConfig) -> RingDrafterConfig:
@@ -542,7 +541,7 @@ def ring_weight_bytes(spec: str | Path | None, target: ModelConfig, itemsize: in
     H = target.hidden_size
     head_rows = 0
     if spec != "random":
-        head = read_ring_checkpoint(spec)[0] / HEAD_IDS_FILE
+        head = read_ring_checkpoint(spec)[0] / HEAD_IDS_FILE  # the directory (the config was checked above)
         if head.is_file():
             from safetensors import safe_open
 

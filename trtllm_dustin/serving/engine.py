@@ -435,9 +435,8 @@ def served_decoders(config: ServingConfig, batch_slots: int | None = None) -> Se
         quantize_draft(draft, draft_weights)
     longspark = load_longspark(spark_spec, loaded.model, seed=config.weights_seed + 1) if needs_spark else None
     kernels = runtime_kernels(KernelConfig.from_env(), tactics)  # the TRTLLM_DUSTIN_* switches, read once for all
-    loaded.model.kernels = kernels  # an int8 ring drafter reads int8_wide off its target when it is rounded
-    ring = load_ring_drafter(ring_spec, loaded.model, weights=draft_weights, seed=config.weights_seed + 2) \
-        if needs_ring else None
+    ring = load_ring_drafter(ring_spec, loaded.model, weights=draft_weights, seed=config.weights_seed + 2,
+                             wide=kernels.int8_wide) if needs_ring else None
     backend = attention_backend(device, kernels, config.backend)
     decoders = {method: build_runtime(  # each method keeps its own KV caches
         method, loaded.model, draft=draft, longspark=longspark, ring=ring, dustin=dustin, batch_slots=slots,
