@@ -1022,12 +1022,8 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         draft = _open("draft", args.draft, args.seed + 1, engine)
     needing = [m for m in methods if METHODS[m].needs_longspark]
     if needing:
-        if args.longspark is None:
-            if not default_model:
-                raise ConfigError(f"methods {needing} need --longspark DIR (from `trtllm-dustin train-longspark`), "
-                                  "or --longspark random for random weights")
-            args.longspark = DEFAULT_LONGSPARK  # the packaged drafter trained for the default model
-        spark = longspark_config(args.longspark)
+        spark = longspark_config(_drafter_spec(args, "longspark", needing, default_model, DEFAULT_LONGSPARK,
+                                               "train-longspark"))
         if spark is not None:
             spark.check_target(target.config)
         block = (spark or LongSparkConfig(target_layers=(0,))).block  # "random": the default shape
@@ -1039,12 +1035,8 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
               flush=True)
     needing = [m for m in methods if METHODS[m].needs_ring]
     if needing:
-        if args.ring is None:
-            if not default_model:
-                raise ConfigError(f"methods {needing} need --ring DIR (from `trtllm-dustin train-ring-drafter`), or "
-                                  "--ring random for random weights")
-            args.ring = DEFAULT_RING  # the packaged ring drafter trained for the default model
-        ring = ring_config(args.ring, target.config)
+        ring = ring_config(_drafter_spec(args, "ring", needing, default_model, DEFAULT_RING, "train-ring-drafter"),
+                           target.config)
         if args.gamma > ring.block:
             raise InputError(f"--gamma {args.gamma} exceeds the {ring.block} tokens this ring drafter proposes per "
                              f"round; lower --gamma to <= {ring.block}")
@@ -1070,6 +1062,20 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
               + (f"; in-pass selection layers {selection}" if selection else "") + "; fingerprints match)", flush=True)
     _baseline_budgets(args, methods, dustin)
     return draft, dustin
+
+
+def _drafter_spec(args: argparse.Namespace, option: str, needing: list[str], default_model: bool, packaged: str,
+                  trainer: str) -> str:
+    """args.<option> (--longspark / --ring), set to the packaged drafter trained for the default model when it names
+    none; with another model the methods `needing` it must be given one."""
+    from trtllm_dustin.config import ConfigError
+
+    if getattr(args, option) is None:
+        if not default_model:
+            raise ConfigError(f"methods {needing} need --{option} DIR (from `trtllm-dustin {trainer}`), or --{option} "
+                              "random for random weights")
+        setattr(args, option, packaged)
+    return getattr(args, option)
 
 
 def _baseline_budgets(args: argparse.Namespace, methods: list[str], dustin: DustinConfig | None) -> None:
