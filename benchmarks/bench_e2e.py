@@ -140,25 +140,27 @@ def _paper_sized(target_layer: int, target_heads: tuple[int, ...], draft_layers:
     # Hand-written placeholders, not searched: they fix the estimator's cost, not its quality. The in-pass selection
     # layers (and the pooled layers below the first) sit at the depths the search chose for the real pair (the
     # packaged SmolLM2 config, `search-layers`), each scoring on 4 heads of 4 KV groups, as the searched config does
-    # on its layers' 4 SRH heads.
+    # on its layers' 4 SRH heads, with the packaged score window.
     at = sorted({min(num_layers - 1, round(d * num_layers)) for d in _SELECTION_DEPTHS})
     below = sorted({round(d * num_layers) for d in _POOL_DEPTHS} - set(at))
     return DustinConfig(target_layers=(LayerHeads(target_layer, target_heads),),
                         draft_layers=tuple(LayerHeads(layer, draft_heads) for layer in draft_layers), budget=512,
                         m=128, selection_layers=tuple(LayerHeads(layer, target_heads) for layer in at),
-                        pool_layers=tuple(LayerHeads(layer, target_heads) for layer in below if layer < at[0]))
+                        pool_layers=tuple(LayerHeads(layer, target_heads) for layer in below if layer < at[0]),
+                        score_window=_SCORE_WINDOW[0], score_window_op=_SCORE_WINDOW[1])
 
 
-def _packaged_depths() -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The depths (layer / layer count) of the packaged config's selection and pooled layers."""
+def _packaged_in_pass() -> tuple[tuple[float, ...], tuple[float, ...], tuple[int, str]]:
+    """The depths (layer / layer count) of the packaged config's selection and pooled layers, and its score window."""
     from trtllm_dustin.models.packaged import default_dustin_config_path
 
     config = DustinConfig.load(default_dustin_config_path())
     n = 30  # the layer count of SmolLM2-135M, the model the packaged config was searched on
-    return tuple(lh.layer / n for lh in config.selection_layers), tuple(lh.layer / n for lh in config.pool_layers)
+    return (tuple(lh.layer / n for lh in config.selection_layers), tuple(lh.layer / n for lh in config.pool_layers),
+            (config.score_window, config.score_window_op))
 
 
-_SELECTION_DEPTHS, _POOL_DEPTHS = _packaged_depths()
+_SELECTION_DEPTHS, _POOL_DEPTHS, _SCORE_WINDOW = _packaged_in_pass()
 
 
 PAIRS = {

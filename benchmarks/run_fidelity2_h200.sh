@@ -13,7 +13,8 @@
 #   sweep C...  the default method (dustin-ip-sparse-draft) beside FullKV at each carried config C (say, the
 #               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
 #               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others;
-#               $SWEEP_TASKS (default: the five tasks), $SWEEP_JOBS (10) and $SWEEP_SECONDS (150) set its size
+#               $SWEEP_TASKS (default: the five tasks), $SWEEP_JOBS (10) and $SWEEP_SECONDS (150) set its size,
+#               $SWEEP_METHODS the methods (default: classic dustin-ip-sparse-draft; FullKV is the same in every run)
 #   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
 #   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
 #   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
@@ -107,7 +108,7 @@ sweep)
     (cd benchmarks && timeout "${SWEEP_SECONDS:-150}" python3 eval_quality.py --target "$GGUF" \
       --tasks-file "$S"/quality_tasks.json --samples 60 --batch-size 60 --m-sweep --dustin-config "$R/dustin_config.json" \
       --contexts 4096 8192 --budgets 512 1024 2048 --tasks ${SWEEP_TASKS:-books code needle vt qa} \
-      --methods classic dustin-ip-sparse-draft --jobs "${SWEEP_JOBS:-10}" --out "$R/quality_$name.json" 2>&1 \
+      --methods ${SWEEP_METHODS:-classic dustin-ip-sparse-draft} --jobs "${SWEEP_JOBS:-10}" --out "$R/quality_$name.json" 2>&1 \
       | tee "$R/quality_$name.log" | grep -E "finished|units in") || echo "$name: stopped or failed (see its log)"
     tar czf "$OUT/sweep_$name.tgz" -C "$R" .
   done

@@ -7,13 +7,33 @@ sort): no host sync, so they run inside a captured decode round. Checks read onl
 
 import torch
 
-__all__ = ["keep_all_indices", "select_verify_indices", "streaming_indices"]
+__all__ = ["keep_all_indices", "select_verify_indices", "streaming_indices", "window_scores"]
 
 
 def keep_all_indices(cache_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
     """int32 [B, budget]: 0 .. L_b - 1 then -1 (the set of a context that fits in the budget)."""
     positions = torch.arange(budget, device=cache_seqlens.device, dtype=torch.int32)[None, :]
     return torch.where(positions < cache_seqlens[:, None], positions, -1)
+
+
+def window_scores(scores: torch.Tensor, width: int, op: str = "max") -> torch.Tensor:
+    """fp32 [B, S] -> [B, S]: each position's score replaced by the max ("max", SnapKV's pooling) or the mean ("mean")
+    of the scores in the window of odd `width` centred on it (positions past either end count as absent for the max and
+    as 0 for the mean); width 1 returns `scores` itself.
+
+    Before a top-k this makes a chosen position bring its neighbours. Callers mask the positions that may not be chosen
+    after the window, so a score spreads into the sinks or past L_b harmlessly.
+    """
+    if width < 1 or width % 2 == 0:
+        raise ValueError(f"window_scores: width {width} must be odd and >= 1")
+    if width == 1:
+        return scores
+    rows = scores[:, None, :]  # [B, 1, S]: the pooling ops' channel layout
+    if op == "max":
+        return torch.nn.functional.max_pool1d(rows, width, stride=1, padding=width // 2)[:, 0]
+    if op == "mean":
+        return torch.nn.functional.avg_pool1d(rows, width, stride=1, padding=width // 2)[:, 0]
+    raise ValueError(f"window_scores: op {op!r} is unknown; choose max or mean")
 
 
 def _check_seqlens(op: str, cache_seqlens: torch.Tensor) -> None:

@@ -127,8 +127,8 @@ BEFORE_WEIGHTS = [
      f"field target_layers[0].heads is 0 (a number); it must be a list; {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/typo.json"], E + "Dustin config {tmp}/typo.json: "
      "'bugdet' is not a field of DustinConfig (fields: target_layers, draft_layers, budget, m, n_sink, n_recent, "
-     "gamma, target_fingerprint, draft_fingerprint, selection_layers, selection_m, dense_layers, pool_layers); "
-     f"{DUSTIN_FIX}"),
+     "gamma, target_fingerprint, draft_fingerprint, selection_layers, selection_m, dense_layers, pool_layers, "
+     f"score_window, score_window_op); {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/cut.json"], E + "Dustin config {tmp}/cut.json is not "
      f"valid JSON (Expecting ',' delimiter: line 2 column 1 (char 21)); {DUSTIN_FIX}"),
     ([*PAIR, "--method", "dustin-h", "--dustin-config", "{tmp}/small.json"], E + "Dustin config {tmp}/small.json: "

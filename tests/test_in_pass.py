@@ -119,6 +119,38 @@ def test_chosen_set_is_the_top_of_the_true_attention(env) -> None:
         assert sorted(chosen) == sorted([0, 1, 2, 3, *candidates, *range(L - n_recent, L)])
 
 
+@pytest.mark.parametrize("width, op", [(5, "max"), (3, "mean")])
+def test_a_score_window_chooses_the_top_of_the_windowed_attention(env, width: int, op: str) -> None:
+    """With score_window, the free slots hold the positions whose windowed float64 attention is highest: no position
+    left out scores above one chosen (ties of the sliding max make the set itself not unique)."""
+    budget, n_recent = 28, 8
+    config = replace(dustin_config(budget=budget, m=4, n_recent=n_recent), score_window=width, score_window_op=op)
+    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
+    selector, layer = decoder.selector, 1
+    with torch.inference_mode():
+        lengths = decoder.state.lengths
+        q = torch.randn(len(PROMPTS), GAMMA + 1, 6, 16, device=env.device)
+        k_cache = decoder.cache.k[layer]
+        selector.choose(layer, q, k_cache, lengths)
+    checked = 0
+    for b in range(len(PROMPTS)):
+        L = int(lengths[b])
+        if L <= budget:
+            continue
+        scores = _true_scores(q[b].cpu(), k_cache[b].cpu(), L, tuple(range(6)))
+        half = width // 2
+        windowed = [float(scores[max(0, j - half): j + half + 1].max()) if op == "max" else
+                    float(scores[max(0, j - half): j + half + 1].sum()) / width for j in range(L)]
+        chosen = selector.indices[b].tolist()
+        assert len(set(chosen)) == budget and {0, 1, 2, 3, *range(L - n_recent, L)} <= set(chosen)
+        free = [j for j in chosen if 4 <= j < L - n_recent]
+        left = [j for j in range(4, L - n_recent) if j not in set(free)]
+        assert len(free) == budget - 4 - n_recent
+        assert min(windowed[j] for j in free) >= max(windowed[j] for j in left) - 1e-6
+        checked += 1
+    assert checked
+
+
 def test_pre_pass_moves_the_recent_window_without_a_duplicate(env) -> None:
     budget, n_recent = 28, 8
     decoder, _ = run("dustin-ip", env, dustin=dustin_config(budget=budget, m=4, n_recent=n_recent), max_new=8)
@@ -283,6 +315,23 @@ def test_pool_layers_are_checked() -> None:
     older["schema_version"] = 2
     del older["pool_layers"]
     assert DustinConfig.from_json(json.dumps(older)) == base  # a version-2 file reads as a config without pooling
+
+
+def test_the_score_window_is_checked() -> None:
+    from trtllm_dustin.config import ConfigError
+
+    base = dustin_config(budget=28, m=4, n_recent=8)
+    for width, op in ((4, "max"), (0, "max"), (3, "median")):
+        with pytest.raises(ConfigError, match="score_window"):
+            replace(base, score_window=width, score_window_op=op)
+    windowed = replace(base, score_window=7, score_window_op="mean")
+    assert DustinConfig.from_json(windowed.to_json()) == windowed
+    import json
+
+    older = json.loads(base.to_json())
+    older["schema_version"] = 3
+    del older["score_window"], older["score_window_op"]
+    assert DustinConfig.from_json(json.dumps(older)) == base  # a version-3 file reads as a config without a window
 
 
 # ---- decoding --------------------------------------------------------------------------------------------------------
@@ -502,3 +551,26 @@ def test_phase_c_pools_the_layer_that_holds_the_rest_of_the_truth() -> None:
     assert outcome.value == pytest.approx(objective.mean([(1, "all")], [(0, "all")]))
     assert outcome.value > outcome.phase_a[(1, "all")] + 0.002
     assert outcome.to_dict()["pool"] == [{"layer": 0, "heads": "all"}]
+
+
+def test_phase_d_keeps_a_score_window_where_the_truth_spreads_to_the_neighbours() -> None:
+    """Every layer attends to the chooser's peaks and their two neighbours on each side, while the chooser's own scores
+    sit on the peaks alone: phase D keeps a window (its set then covers the neighbours), and where the truth is the
+    chooser's own attention it keeps none."""
+    torch.manual_seed(5)
+    trace, base = _synthetic_trace(3, peaked=1)
+    s = trace.settings
+    spread = torch.nn.functional.max_pool1d(base.reshape(-1, 1, s.window), 5, stride=1, padding=2).view_as(base)
+    windows = ((3, "max"), (5, "max"), (5, "mean"))
+    plain = search_selection_layers(InPassObjective(SearchTraces(trace), InPassSettings(
+        budgets=(48,), lag=2, max_layers=1, max_pool=0, n_recent=8, windows=windows)), progress=False)
+    assert plain.layers == ((1, "all"),) and plain.window == (1, "max")
+    assert dict(plain.phase_d)[(1, "max")] == plain.value == plain.phase_a[(1, "all")]
+    trace.truth_by_layer.copy_(_truth(spread, s, trace.seqlens)[None].expand_as(trace.truth_by_layer))
+    objective = InPassObjective(SearchTraces(trace), InPassSettings(budgets=(48,), lag=2, max_layers=1, max_pool=0,
+                                                                    n_recent=8, windows=windows))
+    outcome = search_selection_layers(objective, progress=False)
+    assert outcome.window in windows and outcome.value == max(dict(outcome.phase_d).values())
+    assert outcome.value == pytest.approx(objective.mean([(1, "all")], window=outcome.window))
+    assert outcome.value > dict(outcome.phase_d)[(1, "max")] + 0.002
+    assert outcome.to_dict()["window"] == {"width": outcome.window[0], "op": outcome.window[1]}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trtllm_dustin.plugins import select_verify_indices, streaming_indices
+from trtllm_dustin.plugins.selection import window_scores
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -106,3 +107,30 @@ def test_capturable_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(indices, select_verify_indices(s_draft, s_target, seqlens, 512, 128))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [1, 3, 7])
+@pytest.mark.parametrize("op", ["max", "mean"])
+def test_window_scores_match_a_loop(device, width, op):
+    """Each position's max / mean over the centred window, against a float64 loop (the mean counts positions past
+    either end as 0, the max as absent); width 1 returns the scores themselves."""
+    torch.manual_seed(width)
+    scores = torch.rand(3, 29, dtype=torch.float64).float().to(device)
+    got = window_scores(scores, width, op)
+    half = width // 2
+    expected = torch.zeros(3, 29, dtype=torch.float64)
+    for b in range(3):
+        for j in range(29):
+            inside = scores[b, max(0, j - half): j + half + 1].double().cpu()
+            expected[b, j] = inside.max() if op == "max" else inside.sum() / width
+    torch.testing.assert_close(got.double().cpu(), expected)
+    if width == 1:
+        assert got is scores
+
+
+def test_window_scores_refuse_a_bad_window():
+    scores = torch.rand(2, 10)
+    for width, op in ((2, "max"), (0, "max"), (3, "median")):
+        with pytest.raises(ValueError, match="window_scores"):
+            window_scores(scores, width, op)

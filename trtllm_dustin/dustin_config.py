@@ -11,10 +11,13 @@ from pathlib import Path
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.validation import load_versioned, versioned_json
 
-__all__ = ["DUSTIN_SCHEMA_VERSION", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
+__all__ = ["DUSTIN_SCHEMA_VERSION", "SCORE_WINDOW_OPS", "VARIANTS", "DustinConfig", "LayerHeads", "model_fingerprint"]
 
-DUSTIN_SCHEMA_VERSION = 3  # 2: in-pass selection (selection_layers, selection_m, dense_layers); 3: pool_layers
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # a version-1 file is a config without in-pass selection, 2 one without pooling
+# 2: in-pass selection (selection_layers, selection_m, dense_layers); 3: pool_layers; 4: score_window(_op)
+DUSTIN_SCHEMA_VERSION = 4
+# a version-1 file is a config without in-pass selection, 2 one without pooling, 3 one without a score window
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+SCORE_WINDOW_OPS = ("max", "mean")  # score_window_op: a sliding max (SnapKV's pooling) or mean over the window
 VARIANTS = ("h", "t", "d")  # hybrid (Eq. 6), target history only, draft lookahead only
 
 
@@ -60,6 +63,11 @@ class DustinConfig:
     # in-pass: earlier layers whose verification queries' scores (Eq. 5 on the listed heads) are summed into the first
     # selection layer's before it chooses (the search's phase C)
     pool_layers: tuple[LayerHeads, ...] = ()
+    # in-pass: before the top-k, each position's score becomes the max (or mean) of the scores in a window of this odd
+    # width centred on it, so a chosen position brings its neighbours (a retrieved fact is a phrase, not a token);
+    # 1 = the scores as they are. Page bounds (dustin-ip-pages) choose whole pages and ignore it.
+    score_window: int = 1
+    score_window_op: str = "max"
 
     def __post_init__(self) -> None:
         for name in ("target_layers", "draft_layers", "selection_layers", "pool_layers"):
@@ -87,6 +95,10 @@ class DustinConfig:
         if pooled and (not layers or pooled != sorted(set(pooled)) or pooled[-1] >= layers[0]):
             raise ConfigError(f"pool_layers {pooled} must be distinct, ascending and below the first selection layer "
                               f"{layers[0] if layers else '(none: pooling needs selection_layers)'}")
+        if self.score_window < 1 or self.score_window % 2 == 0:
+            raise ConfigError(f"score_window={self.score_window} must be an odd width >= 1 (1: no window)")
+        if self.score_window_op not in SCORE_WINDOW_OPS:
+            raise ConfigError(f"score_window_op={self.score_window_op!r} is unknown; choose one of {SCORE_WINDOW_OPS}")
 
     def with_budget(self, budget: int) -> DustinConfig:
         """This config at another budget k, m carried over as the same share of the free slots (k - sinks - recent);

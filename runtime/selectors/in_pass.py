@@ -9,7 +9,9 @@ set is chosen inside the verification forward, from the queries that are being v
   choose     at a selection layer l (TidalDecode / OmniKV style): S_l[j] = Eq. 5 over the layer's scoring heads and
              the Γ + 1 verified queries at L_b .. L_b + Γ, normalised over their causal range; the set becomes
              4 sinks + TopK_free(S_l) + the 16 recent positions, which layer l and the following layers read. A later
-             selection layer chooses again from its own queries.
+             selection layer chooses again from its own queries. With the config's score_window w > 1, S_l is first
+             replaced by its sliding max (or mean) over w neighbouring positions, so a chosen position brings its
+             neighbours (SnapKV pools its scores the same way).
   pool       the config's `pool_layers` (below the first selection layer) score their own verification queries on
              their heads as the pass goes through them; the first selection layer adds its scores to theirs and
              chooses from the sum (the oracle's set sums every layer's attention; pooling approaches it at one
@@ -37,7 +39,7 @@ import torch
 from trtllm_dustin.config import ConfigError, ModelConfig
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
-from trtllm_dustin.plugins.selection import keep_all_indices
+from trtllm_dustin.plugins.selection import keep_all_indices, window_scores
 from trtllm_dustin.plugins.srh_score import srh_score
 from trtllm_dustin.runtime.drafter import Lookahead, PrefillView
 from trtllm_dustin.runtime.selector import Selector
@@ -164,6 +166,8 @@ class InPassSelector(Selector):
             candidate = candidate.scatter(1, drafted, False)
             parts.append(drafted)
         rest = cfg.budget - cfg.n_sink - cfg.n_recent - self.m
+        if not self.pages:  # page scores already choose whole pages
+            scores = window_scores(scores, cfg.score_window, cfg.score_window_op)
         parts.append(torch.topk(scores.masked_fill(~candidate, float("-inf")), rest, dim=1, sorted=False).indices)
         parts.append(length + self._recent)
         chosen = torch.cat(parts, dim=1).to(torch.int32)  # [B, k]: the sparse kernel takes any order

@@ -403,6 +403,10 @@ def add_layers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pool", type=int, default=InPassSettings.max_pool,
                         help="pooled layers (phase C: scored below the first selection layer, summed into its choice) "
                         "at most, 0: no pooling")
+    parser.add_argument("--score-windows", nargs="*", default=[], metavar="WIDTHop",
+                        help="phase D's score windows, say 3max 7max 5mean (odd width >= 3, then max or mean: each "
+                        "position's score becomes the max or mean over that many neighbours before the top-k); the "
+                        "best is kept if it adds --min-gain (default: none, phase D skipped)")
     parser.add_argument("--split", default="train", choices=("train", "validation"),
                         help="the corpora split the windows come from")
     _add_trace_arguments(parser)
@@ -426,6 +430,14 @@ def _needle_windows(tokenizer, window: int, count: int, split: str
     return tokens, spans, answer_len
 
 
+def _score_window(text: str) -> tuple[int, str]:
+    """'7max' -> (7, 'max'); InPassSettings checks the width and the op."""
+    width = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    if not width.isdigit():
+        raise ConfigError(f"--score-windows {text!r}: write an odd width and then max or mean, say 5max")
+    return int(width), text[len(width):]
+
+
 def layers_command(args: argparse.Namespace) -> int:
     """The in-pass selection layers of a target (search/in_pass.py): writes the config with selection_layers."""
     import numpy as np
@@ -440,7 +452,8 @@ def layers_command(args: argparse.Namespace) -> int:
     base = DustinConfig.load(args.config or default_dustin_config_path())
     settings = InPassSettings(budgets=tuple(args.budgets), lag=args.lag, max_layers=args.max_layers,
                               min_gain=args.min_gain, max_pool=args.max_pool, n_sink=base.n_sink,
-                              n_recent=base.n_recent, earlier=args.earlier_selection)
+                              n_recent=base.n_recent, earlier=args.earlier_selection,
+                              windows=tuple(_score_window(text) for text in args.score_windows))
     text_settings = _trace_settings(args)
     srh = SRHResult.load(args.srh) if args.srh else None
     target = load_model(args.target, device=device, seed=args.seed)
@@ -498,7 +511,8 @@ def layers_command(args: argparse.Namespace) -> int:
         return LayerHeads(layer, tuple(range(config.num_heads)) if kind == "all" else srh_heads[layer])
 
     chosen = replace(base, selection_layers=tuple(heads(*c) for c in outcome.layers),
-                     pool_layers=tuple(heads(*c) for c in outcome.pool))
+                     pool_layers=tuple(heads(*c) for c in outcome.pool), score_window=outcome.window[0],
+                     score_window_op=outcome.window[1])
     chosen.check_models(target.model.config, None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     chosen.save(args.out)
@@ -506,8 +520,8 @@ def layers_command(args: argparse.Namespace) -> int:
               "text_trace": json.loads(text_traces.every_head.describe()),
               "needle_trace": json.loads(needle_traces.every_head.describe()) if needle_traces else None,
               "needle_spans": needles[1], "outcome": outcome.to_dict(),
-              "per_layer_text_arr": {b: objective.per_layer(outcome.layers, b, pool=outcome.pool)
-                                     for b in settings.budgets},
+              "per_layer_text_arr": {b: objective.per_layer(outcome.layers, b, pool=outcome.pool,
+                                                            window=outcome.window) for b in settings.budgets},
               "seconds": {"traces": round(trace_s, 1), "total": round(time.perf_counter() - start, 1)},
               "provenance": provenance.finished(time.perf_counter() - start).to_dict()}
     record_path = args.record or args.out.with_suffix(".layers.json")
@@ -518,6 +532,10 @@ def layers_command(args: argparse.Namespace) -> int:
           f"{[f'{layer} ({kind})' for layer, kind in outcome.pool]}: objective {outcome.value:.4f}; "
           + ", ".join(f"k={b}: text ARR {v['text_arr']:.4f}, needle recall {v['needle_recall']:.4f}"
                       for b, v in outcome.by_budget.items()))
+    if outcome.phase_d:
+        print("phase D (score window): " + ", ".join(f"{'none' if w[0] == 1 else f'{w[0]}{w[1]}'} {v:.4f}"
+                                                     for w, v in dict(outcome.phase_d).items())
+              + f"; kept {'none' if outcome.window[0] == 1 else f'{outcome.window[0]}{outcome.window[1]}'}")
     print(f"wrote {args.out} and {record_path} in {time.perf_counter() - start:.0f} s")
     return 0
 

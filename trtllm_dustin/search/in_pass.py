@@ -15,6 +15,9 @@ set. This extends the search with two phases over teacher-forced traces of the t
   phase C  greedily add a pooled candidate below the first selection layer, whose scores are summed into that
            layer's before it chooses, while it raises the objective by `min_gain`, at most `max_pool` (each costs
            one more scoring pass over K; the oracle's set sums every layer's attention)
+  phase D  the score window (DustinConfig.score_window): each of `windows` (odd width, max or mean over neighbouring
+           positions before the top-k) on the layers of A-C; the best is kept if it raises the objective by
+           `min_gain` over no window
 
 The objective is the sum of two means over the search budgets, each in [0, 1]:
   text ARR       over windows of the corpora: the mean over the target's layers and steps of each layer's windowed
@@ -34,10 +37,16 @@ import torch
 from tqdm import tqdm
 
 from trtllm_dustin.config import ConfigError
+from trtllm_dustin.dustin_config import SCORE_WINDOW_OPS
+from trtllm_dustin.plugins.selection import window_scores
 from trtllm_dustin.search.arr import arr
 from trtllm_dustin.search.attention_trace import AttentionTrace
 
-__all__ = ["Candidate", "InPassObjective", "InPassOutcome", "InPassSettings", "SearchTraces", "search_selection_layers"]
+__all__ = ["NO_WINDOW", "Candidate", "InPassObjective", "InPassOutcome", "InPassSettings", "SearchTraces", "Window",
+           "search_selection_layers"]
+
+Window = tuple[int, str]  # (odd width, "max" | "mean"): DustinConfig's score_window and score_window_op
+NO_WINDOW: Window = (1, "max")
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class InPassSettings:
     max_pool: int = 3  # phase C: pooled layers in all
     earlier: bool = False  # phase B also tries layers below the first selection layer (each chooses for the layers
     #                        up to the next selection layer, which chooses again)
+    windows: tuple[Window, ...] = ()  # phase D's score windows (none: phase D is skipped)
     n_sink: int = 4
     n_recent: int = 16
 
@@ -60,6 +70,11 @@ class InPassSettings:
         if self.lag < 1 or self.max_layers < 1 or self.max_pool < 0:
             raise ConfigError(f"lag={self.lag} and max_layers={self.max_layers} must be >= 1, max_pool="
                               f"{self.max_pool} >= 0")
+        object.__setattr__(self, "windows", tuple((int(w), str(op)) for w, op in self.windows))
+        for width, op in self.windows:
+            if width < 3 or width % 2 == 0 or op not in SCORE_WINDOW_OPS:
+                raise ConfigError(f"score window {width}{op}: the width must be odd and >= 3 and the op one of "
+                                  f"{SCORE_WINDOW_OPS} (say 5max)")
 
 
 Candidate = tuple[int, str]  # (layer, head set): "all" its heads, or "srh" its semantic retrieval heads
@@ -74,6 +89,8 @@ class InPassOutcome:
     by_budget: dict[int, dict[str, float]]  # the outcome's text ARR and needle recall at each search budget
     pool: tuple[Candidate, ...] = ()  # the pooled layers (ascending), below the first selection layer
     phase_c: list[dict[Candidate, float]] = ()  # per round: candidate pooled layer -> objective with it added
+    window: Window = NO_WINDOW  # phase D's pick
+    phase_d: dict[Window, float] = ()  # score window -> objective with it (NO_WINDOW: the outcome of A-C)
 
     def to_dict(self) -> dict:
         return {"layers": [{"layer": layer, "heads": kind} for layer, kind in self.layers], "value": self.value,
@@ -83,6 +100,9 @@ class InPassOutcome:
                 "pool": [{"layer": layer, "heads": kind} for layer, kind in self.pool],
                 "phase_c": [[{"layer": c[0], "heads": c[1], "objective": round(v, 6)} for c, v in r.items()]
                             for r in self.phase_c],
+                "window": {"width": self.window[0], "op": self.window[1]},
+                "phase_d": [{"width": w[0], "op": w[1], "objective": round(v, 6)}
+                            for w, v in dict(self.phase_d).items()],
                 "by_budget": self.by_budget}
 
 
@@ -130,14 +150,15 @@ class InPassObjective:
         scores = total.reshape(-1, maps.shape[-1])
         return scores * (torch.arange(scores.shape[1])[None, :] < trace.seqlens.long()[:, None])
 
-    def chosen(self, part: SearchTraces, candidate: Candidate | tuple[Candidate, ...], budget: int) -> torch.Tensor:
+    def chosen(self, part: SearchTraces, candidate: Candidate | tuple[Candidate, ...], budget: int,
+               window: Window = NO_WINDOW) -> torch.Tensor:
         """int64 [R, k]: the set the candidate chooses at each step (sinks + top + recent, all of [0, L) if L <= k);
-        a tuple of candidates chooses from the sum of their scores (pooling)."""
+        a tuple of candidates chooses from the sum of their scores (pooling), through the score window."""
         pooled = candidate if isinstance(candidate[0], tuple) else (candidate,)
-        key = (id(part), pooled, budget)
+        key = (id(part), pooled, budget, window)
         if key not in self._sets:
             cfg = self.settings
-            scores = sum(self._scores(part, c) for c in pooled)
+            scores = window_scores(sum(self._scores(part, c) for c in pooled), *window)
             lengths = part.every_head.seqlens.long()[:, None]
             positions = torch.arange(scores.shape[1])[None, :]
             candidate_mask = (positions >= cfg.n_sink) & (positions < lengths - cfg.n_recent)
@@ -162,32 +183,33 @@ class InPassObjective:
         return torch.where(lengths > budget, shifted, every)
 
     def _reads(self, part: SearchTraces, selection: Sequence[Candidate], budget: int,
-               pool: Sequence[Candidate] = ()) -> list[torch.Tensor]:
+               pool: Sequence[Candidate] = (), window: Window = NO_WINDOW) -> list[torch.Tensor]:
         """The set each target layer reads under the configuration (selection ascending by layer; the first
         selection layer chooses from its scores summed with the pooled candidates')."""
         selection = sorted(selection)
         choosers = [tuple(sorted(pool)) + (selection[0],), *((c,) for c in selection[1:])]
-        previous = self._previous(part, self.chosen(part, choosers[-1], budget))
+        previous = self._previous(part, self.chosen(part, choosers[-1], budget, window))
         out = []
         for layer in self.layers:
             readers = [c for c in choosers if c[-1][0] <= layer]
-            out.append(self.chosen(part, readers[-1], budget) if readers else previous)
+            out.append(self.chosen(part, readers[-1], budget, window) if readers else previous)
         return out
 
     # ---- the objective -----------------------------------------------------------------------------------------------
     def per_layer(self, selection: Sequence[Candidate], budget: int, dense: int = 0,
-                  pool: Sequence[Candidate] = ()) -> list[float]:
+                  pool: Sequence[Candidate] = (), window: Window = NO_WINDOW) -> list[float]:
         """Each target layer's mean text ARR under the configuration (`dense` first layers in full)."""
-        reads = self._reads(self.text, selection, budget, pool)
+        reads = self._reads(self.text, selection, budget, pool, window)
         return [1.0 if layer < dense else float(arr(self.text.every_head.truth_by_layer[layer], sets).mean())
                 for layer, sets in zip(self.layers, reads, strict=True)]
 
     def text_arr(self, selection: Sequence[Candidate], budget: int, dense: int = 0,
-                 pool: Sequence[Candidate] = ()) -> float:
-        values = self.per_layer(selection, budget, dense, pool)
+                 pool: Sequence[Candidate] = (), window: Window = NO_WINDOW) -> float:
+        values = self.per_layer(selection, budget, dense, pool, window)
         return sum(values) / len(values)
 
-    def needle_recall(self, selection: Sequence[Candidate], budget: int, pool: Sequence[Candidate] = ()) -> float:
+    def needle_recall(self, selection: Sequence[Candidate], budget: int, pool: Sequence[Candidate] = (),
+                      window: Window = NO_WINDOW) -> float:
         """The mean over layers and answer steps of the share of the needle's tokens in the set each layer reads."""
         if self.needles is None:
             return 0.0
@@ -195,19 +217,20 @@ class InPassObjective:
         s = part.every_head.settings
         spans = part.needle_spans.repeat_interleave(s.steps, dim=0)  # [R, 2]
         shares = []
-        for sets in self._reads(part, selection, budget, pool):
+        for sets in self._reads(part, selection, budget, pool, window):
             inside = (sets[:, :, None] >= spans[:, None, :1]) & (sets[:, :, None] < spans[:, None, 1:])
             shares.append(inside.sum((1, 2)).float() / (spans[:, 1] - spans[:, 0]).float())
         return float(torch.stack(shares).mean())
 
-    def mean(self, selection: Sequence[Candidate], pool: Sequence[Candidate] = ()) -> float:
+    def mean(self, selection: Sequence[Candidate], pool: Sequence[Candidate] = (),
+             window: Window = NO_WINDOW) -> float:
         budgets = self.settings.budgets
-        return sum(self.text_arr(selection, b, pool=pool) + self.needle_recall(selection, b, pool)
-                   for b in budgets) / len(budgets)
+        return sum(self.text_arr(selection, b, pool=pool, window=window)
+                   + self.needle_recall(selection, b, pool, window) for b in budgets) / len(budgets)
 
 
 def search_selection_layers(objective: InPassObjective, progress: bool = True) -> InPassOutcome:
-    """Phases A, B and C (module doc). Ties go to the lower layer, then to every head."""
+    """Phases A to D (module doc). Ties go to the lower layer, then to every head, then to no window."""
     settings = objective.settings
 
     def order(c: Candidate, value: float) -> tuple:
@@ -246,6 +269,15 @@ def search_selection_layers(objective: InPassObjective, progress: bool = True) -
             break
         pool.append(pick)
         best = scores[pick]
-    by_budget = {b: {"text_arr": objective.text_arr(chosen, b, pool=pool),
-                     "needle_recall": objective.needle_recall(chosen, b, pool)} for b in settings.budgets}
-    return InPassOutcome(tuple(chosen), best, phase_a, phase_b, by_budget, tuple(sorted(pool)), phase_c)
+    phase_d: dict[Window, float] = {}
+    window = NO_WINDOW
+    if settings.windows:
+        phase_d = {NO_WINDOW: best, **{w: objective.mean(chosen, pool, w) for w in tqdm(
+            settings.windows, desc="phase D: score window", disable=not progress)}}
+        pick = max(settings.windows, key=lambda w: phase_d[w])
+        if phase_d[pick] >= best + settings.min_gain:
+            window, best = pick, phase_d[pick]
+    by_budget = {b: {"text_arr": objective.text_arr(chosen, b, pool=pool, window=window),
+                     "needle_recall": objective.needle_recall(chosen, b, pool, window)} for b in settings.budgets}
+    return InPassOutcome(tuple(chosen), best, phase_a, phase_b, by_budget, tuple(sorted(pool)), phase_c, window,
+                         phase_d)
