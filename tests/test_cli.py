@@ -162,6 +162,28 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     assert "weights loaded" not in captured.out
 
 
+def test_a_score_window_is_said_beside_the_selection_layer(capsys, tmp_path, plugin_references) -> None:
+    """An in-pass config with a score window: generate says the window beside the selection layer and runs; with k over
+    the whole context the set keeps every position, so the window has nothing to choose and the greedy tokens equal
+    vanilla's."""
+    from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
+
+    config = tmp_path / "dustin.json"
+    DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60, m=20,
+                 selection_layers=(LayerHeads(1, (0, 4)),), score_window=7, score_window_op="max").save(config)
+    run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--prompt-tokens", "90",
+           "--max-new-tokens", "6", "--max-seq-len", "128"]
+    assert main([*run, "--method", "dustin-ip", "--dustin-config", str(config)]) == 0
+    assert "in-pass selection layers 1 (2 heads), score window 7 (max);" in capsys.readouterr().out
+    texts = {}
+    for name, extra in (("vanilla", ["--method", "vanilla"]),
+                        ("full-k", ["--method", "dustin-ip", "--dustin-config", str(config), "--budget", "120"])):
+        assert main([*run, *extra]) == 0
+        out = capsys.readouterr().out
+        texts[name] = [line for line in out.splitlines() if line.startswith("[0] ")]
+    assert texts["full-k"] == texts["vanilla"] and texts["vanilla"]
+
+
 @pytest.mark.parametrize("method, extra, line", [
     ("quest", [], "quest: budget k 512 (--draft-budget, without a Dustin config)"),
     ("snapkv", ["--budget", "40"], "snapkv: budget k 40 (--budget)"),
