@@ -574,3 +574,18 @@ def test_phase_d_keeps_a_score_window_where_the_truth_spreads_to_the_neighbours(
     assert outcome.value == pytest.approx(objective.mean([(1, "all")], window=outcome.window))
     assert outcome.value > dict(outcome.phase_d)[(1, "max")] + 0.002
     assert outcome.to_dict()["window"] == {"width": outcome.window[0], "op": outcome.window[1]}
+
+
+def test_score_windows_are_read_and_checked() -> None:
+    """`--score-windows 21max 9mean` reads as (width, op); an even or too narrow width, an unknown op or a missing width
+    is refused with the value named."""
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.search.cli import _score_window
+
+    assert [_score_window(t) for t in ("21max", "9mean")] == [(21, "max"), (9, "mean")]
+    assert InPassSettings(windows=((21, "max"), (9, "mean"))).windows == ((21, "max"), (9, "mean"))
+    with pytest.raises(ConfigError, match="'max'"):
+        _score_window("max")
+    for window in ((4, "max"), (1, "max"), (5, "median")):
+        with pytest.raises(ConfigError, match=f"score window {window[0]}{window[1]}"):
+            InPassSettings(windows=(window,))
