@@ -98,15 +98,22 @@ def _decoder(method: str, env, config: DustinConfig, slots: int = 4):
     return build_decoder(method, setup)
 
 
-def test_chosen_set_is_the_top_of_the_true_attention(env) -> None:
-    budget, n_recent = 28, 8
-    decoder, _ = run("dustin-ip", env, dustin=dustin_config(budget=budget, m=4, n_recent=n_recent), max_new=8)
+def _choose_once(env, config: DustinConfig):
+    """Decode a few rounds with `config`, then let selection layer 1 choose from random verification queries ->
+    (selector, lengths, q [B, Γ + 1, 6, 16], that layer's k_cache)."""
+    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
     selector, layer = decoder.selector, 1
     with torch.inference_mode():
         lengths = decoder.state.lengths
         q = torch.randn(len(PROMPTS), GAMMA + 1, 6, 16, device=env.device)
         k_cache = decoder.cache.k[layer]
         selector.choose(layer, q, k_cache, lengths)
+    return selector, lengths, q, k_cache
+
+
+def test_chosen_set_is_the_top_of_the_true_attention(env) -> None:
+    budget, n_recent = 28, 8
+    selector, lengths, q, k_cache = _choose_once(env, dustin_config(budget=budget, m=4, n_recent=n_recent))
     for b in range(len(PROMPTS)):
         L = int(lengths[b])
         chosen = selector.indices[b].tolist()
@@ -125,13 +132,7 @@ def test_a_score_window_chooses_the_top_of_the_windowed_attention(env, width: in
     left out scores above one chosen (ties of the sliding max make the set itself not unique)."""
     budget, n_recent = 28, 8
     config = replace(dustin_config(budget=budget, m=4, n_recent=n_recent), score_window=width, score_window_op=op)
-    decoder, _ = run("dustin-ip", env, dustin=config, max_new=8)
-    selector, layer = decoder.selector, 1
-    with torch.inference_mode():
-        lengths = decoder.state.lengths
-        q = torch.randn(len(PROMPTS), GAMMA + 1, 6, 16, device=env.device)
-        k_cache = decoder.cache.k[layer]
-        selector.choose(layer, q, k_cache, lengths)
+    selector, lengths, q, k_cache = _choose_once(env, config)
     checked = 0
     for b in range(len(PROMPTS)):
         L = int(lengths[b])
