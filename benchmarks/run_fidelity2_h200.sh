@@ -14,7 +14,8 @@
 #               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
 #               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others;
 #               $SWEEP_TASKS (default: the five tasks), $SWEEP_JOBS (10) and $SWEEP_SECONDS (150) set its size,
-#               $SWEEP_METHODS the methods (default: classic dustin-ip-sparse-draft; FullKV is the same in every run)
+#               $SWEEP_METHODS the methods (default: classic dustin-ip-sparse-draft; books needs classic); on an H100
+#               at most 4 jobs fit. After tree-on the packaged draft is not in the copy: carry .carry/s4/smollm2_draft
 #   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
 #   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
 #   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
@@ -98,6 +99,16 @@ quality)
 sweep)
   shift
   [ $# -ge 1 ] || { echo "sweep C...: one or more config files"; exit 2; }
+  case " ${SWEEP_TASKS:-books} " in *" books "*)
+    case " ${SWEEP_METHODS:-classic} " in *" classic "*) ;;
+      *) echo "SWEEP_METHODS must keep classic while SWEEP_TASKS has books (books compares against FullKV)"; exit 2 ;;
+    esac ;;
+  esac
+  if ! ls trtllm_dustin/weights/smollm2_draft/*.safetensors > /dev/null 2>&1; then  # tree-on leaves the draft out
+    [ -d .carry/s4/smollm2_draft ] || { echo "the packaged draft is missing: carry .carry/s4/smollm2_draft"; exit 2; }
+    cp .carry/s4/smollm2_draft/*.safetensors .carry/s4/smollm2_draft/model.safetensors.index.json \
+      .carry/s4/smollm2_draft/config.json trtllm_dustin/weights/smollm2_draft/
+  fi
   install
   join_gguf
   gunzip -c "$S"/quality_tasks.json.gz > "$S"/quality_tasks.json
