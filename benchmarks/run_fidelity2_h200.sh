@@ -10,6 +10,9 @@
 #               method on the test windows (eval_tau.py)
 #   quality C   the same runs with the config file C instead of a new search (a carried search output)
 #   needle-new  the generalisation run of the shipped default (after the stash calls)
+#   e2e-window C  the e2e rows at 32K, B = 16, k = 1024 / 2048 of the packaged config and of the score-window config C,
+#               one call, no stash (random weights; an H200). C is carried: tree-on leaves the results out, so copy
+#               `benchmarks/results/fidelity2/h100_sweep_window/w21max/dustin_config.json` to `.carry/c/w21max.json`
 #   sweep C...  the default method (dustin-ip-sparse-draft) beside FullKV at each carried config C (say, the
 #               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
 #               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others;
@@ -124,6 +127,24 @@ sweep)
     tar czf "$OUT/sweep_$name.tgz" -C "$R" .
   done
   ls -la "$OUT"
+  ;;
+e2e-window)
+  # the round time of a score-window config C against the packaged config: bench_e2e at 32K, B = 16 (an H200), k = 1024
+  # and 2048, one process each (the placeholder config takes the packaged file's window), the same call and kernels
+  config=${2:?e2e-window C: the window config}
+  install
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  packaged=trtllm_dustin/weights/smollm2_draft/dustin.json
+  cp "$packaged" "$R/packaged_dustin.json"
+  trap 'cp "$R/packaged_dustin.json" "$packaged"; tar czf "$OUT/e2e_window.tgz" -C "$R" .' EXIT
+  for c in packaged window; do
+    [ $c = window ] && cp "$config" "$packaged"
+    (cd benchmarks && timeout "${E2E_SECONDS:-115}" python3 bench_e2e.py --pair llama-8b --batches 16 --contexts 32768 \
+      --budget 1024,2048 --rounds 12 --methods vanilla,dustin-h,dustin-h-sparse-draft,dustin-ip-sparse-draft \
+      --out "$R/e2e_$c.json" > "$R/e2e_$c.log" 2>&1) || echo "e2e $c: exit $?"
+    grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_$c.log" | cut -c1-140 || true
+  done
   ;;
 needle-new)
   # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
