@@ -117,6 +117,8 @@ class InPassSelector(Selector):
             raise ConfigError("in-pass selection with a lookahead share m > 0 needs the draft's lookahead queries")
         self.cfg, self.cache, self.lookahead, self.pages, self.pdl = config, cache, lookahead, pages, pdl
         self.budget = config.budget
+        # the score window before the top-k; page scores already choose whole pages, so pages take none
+        self.score_window = (1, "max") if pages else (config.score_window, config.score_window_op)
         self.layers: dict[int, LayerHeads] = {lh.layer: lh for lh in config.selection_layers}
         self.first = config.selection_layers[0].layer
         self.pool: dict[int, LayerHeads] = {lh.layer: lh for lh in config.pool_layers}
@@ -166,8 +168,7 @@ class InPassSelector(Selector):
             candidate = candidate.scatter(1, drafted, False)
             parts.append(drafted)
         rest = cfg.budget - cfg.n_sink - cfg.n_recent - self.m
-        if not self.pages:  # page scores already choose whole pages
-            scores = window_scores(scores, cfg.score_window, cfg.score_window_op)
+        scores = window_scores(scores, *self.score_window)
         parts.append(torch.topk(scores.masked_fill(~candidate, float("-inf")), rest, dim=1, sorted=False).indices)
         parts.append(length + self._recent)
         chosen = torch.cat(parts, dim=1).to(torch.int32)  # [B, k]: the sparse kernel takes any order

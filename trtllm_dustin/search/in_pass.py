@@ -1,9 +1,10 @@
 """The selection-layer search: which target layers choose the verification set inside the pass (in-pass selection).
 
 Algorithm 1 (algorithm.py) picks the SRH layers of Dustin's estimator by ARR. The in-pass selector
-(runtime/selectors/in_pass.py) has one choice left that the data must make: at which layer(s), scored on which heads
+(runtime/selectors/in_pass.py) has choices left that the data must make: at which layer(s), scored on which heads
 (every head, or the layer's semantic retrieval heads from `trtllm-dustin srh`), the verification queries choose the
-set. This extends the search with two phases over teacher-forced traces of the train split:
+set, and how far a chosen position reaches (the score window). This extends the search with phases over
+teacher-forced traces of the train split:
 
   phase A  the candidate (layer l, heads) with the best objective: the set chosen at l from its Γ + 1 queries (Eq. 5
            over those heads), read by l and the following layers; the layers before l read the previous round's
