@@ -19,6 +19,16 @@
 #               $SWEEP_TASKS (default: the five tasks), $SWEEP_JOBS (10) and $SWEEP_SECONDS (150) set its size,
 #               $SWEEP_METHODS the methods (default: classic dustin-ip-sparse-draft; books needs classic); on an H100
 #               at most 4 jobs fit. After tree-on the packaged draft is not in the copy: carry .carry/s4/smollm2_draft
+#   window-tau C [C2]  after the stash calls (with the draft and ring weights stashed): the in-pass GPU tests; the tau
+#               of classic, dustin-ip and dustin-ip-sparse-draft at the config C (k = 512 / 1024 / 2048) and of the
+#               ring drafter (dustin-ip-ring, Γ = 5, int8, T = 0 and 1, as issue 38 measured it) at C; with C2, also
+#               dustin-ip-sparse-draft's tau at k = 1024 with C2
+#   headline C  the README headline's round times with C as the packaged config (bench_e2e, 8K-32K, B = 16, the ring
+#               rows at 32K / 64K / 128K), then dustin-ip and dustin-ip-sparse-draft at 32K with the packaged config
+#               the call found, in the same call (an H200; random weights, no stash)
+#   The weights: tree-on leaves the packaged draft and ring drafter out, and a GGUF part with the draft's 28 MB is over
+#   a call's 64 MiB; so `stash N` also keeps whatever files of .carry/s4/smollm2_draft and .carry/s4/smollm2_ring its
+#   call carried (one safetensors shard per call), and the runs that need them put them back.
 #   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
 #   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
 #   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
@@ -40,10 +50,24 @@ install() {
     python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
   python3 -m pip install -q --no-deps --no-build-isolation -e .
 }
+weights() {  # the packaged draft and ring drafter files that `stash` kept, back where the package reads them
+  local d
+  for d in smollm2_draft smollm2_ring; do
+    if [ -d "$S/$d" ]; then
+      mkdir -p trtllm_dustin/weights/$d
+      cp "$S/$d"/* trtllm_dustin/weights/$d/
+    fi
+  done
+}
 case "$1" in
 stash)
   mkdir -p "$S"
-  cp .carry/q/gguf."$2" "$S"/
+  [ -f .carry/q/gguf."$2" ] && cp .carry/q/gguf."$2" "$S"/
+  for d in smollm2_draft smollm2_ring; do  # weight files carried with this part (not a Dustin config: the tree has it)
+    for f in .carry/s4/$d/*.safetensors .carry/s4/$d/model.safetensors.index.json .carry/s4/$d/config.json; do
+      if [ -f "$f" ]; then mkdir -p "$S/$d"; cp "$f" "$S/$d/"; fi
+    done
+  done
   for extra in .whl/gguf-0.19.0-py3-none-any.whl .carry/test_prompts.npz .carry/quality_tasks.json.gz; do
     [ -f "$extra" ] && cp "$extra" "$S"/
   done
@@ -145,6 +169,59 @@ e2e-window)
       --out "$R/e2e_$c.json" > "$R/e2e_$c.log" 2>&1) || echo "e2e $c: exit $?"
     grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_$c.log" | cut -c1-140 || true
   done
+  ;;
+window-tau)
+  config=${2:?window-tau C [C2]: the window config}
+  install
+  join_gguf
+  weights
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  trap 'tar czf "$OUT/window_tau.tgz" -C "$R" .' EXIT
+  cp "$config" "$R/dustin_config.json"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_in_pass.py tests/test_plugins_selection.py \
+    > "$R/gpu_tests.txt" 2>&1 || echo "tests: exit $?"
+  tail -n 2 "$R/gpu_tests.txt"
+  cd benchmarks
+  tau=(python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --contexts 4096 8192 --docs 24)
+  timeout 200 "${tau[@]}" --dustin-config "$R/dustin_config.json" --methods classic dustin-ip dustin-ip-sparse-draft \
+    --budgets 512 1024 2048 --batch-size 28 --out "$R/tau_window.json" > "$R/tau_window.log" 2>&1 || echo "tau: exit $?"
+  grep -E "tau [0-9]" "$R/tau_window.log" | grep -v "^ " | tail -n 4 || true
+  timeout 150 "${tau[@]}" --dustin-config "$R/dustin_config.json" --temperatures 0 1 \
+    --families books essays code fortunes --methods dustin-ip-ring --gammas 5 --budgets 2048 --ring-weights int8 \
+    --out "$R/tau_ring_window.json" > "$R/tau_ring_window.log" 2>&1 || echo "ring tau: exit $?"
+  grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true
+  if [ -n "${3:-}" ]; then
+    cp "../$3" "$R/dustin_config_2.json"
+    timeout 90 "${tau[@]}" --dustin-config "$R/dustin_config_2.json" --methods classic dustin-ip-sparse-draft \
+      --budgets 1024 --batch-size 28 --out "$R/tau_window_2.json" > "$R/tau_window_2.log" 2>&1 || echo "tau 2: exit $?"
+  fi
+  ;;
+headline)
+  config=${2:?headline C: the config to ship}
+  install
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  R=~/res; rm -rf "$R"; mkdir -p "$R"
+  packaged=$PWD/trtllm_dustin/weights/smollm2_draft/dustin.json
+  cp "$packaged" "$R/packaged_dustin.json"
+  trap 'cp "$R/packaged_dustin.json" "$packaged"; tar czf "$OUT/headline.tgz" -C "$R" .' EXIT
+  cp "$config" "$packaged"
+  cp "$config" "$R/dustin_config.json"
+  e2e=(python3 bench_e2e.py --pair llama-8b --rounds 12)
+  ring=(--budget 2048 --tau 2.7 --gamma 5 --ring-head-ids 32768 --ring-weights int8 --methods vanilla,dustin-ip-ring)
+  cd benchmarks
+  timeout 260 "${e2e[@]}" --batches 16 --contexts 8192,16384,24576,32768 --budget 1024,2048 \
+    --methods vanilla,classic,magicdec,dustin-h,dustin-ip,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv \
+    --out "$R/e2e_headline.json" > "$R/e2e_headline.log" 2>&1 || echo "e2e: exit $?"
+  grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_headline.log" | grep 32768 | cut -c1-140 || true
+  for bc in 16:32768 8:65536 4:131072; do
+    timeout 70 "${e2e[@]}" --batches "${bc%%:*}" --contexts "${bc##*:}" "${ring[@]}" \
+      --out "$R/e2e_ring_${bc##*:}.json" > "$R/e2e_ring_${bc##*:}.log" 2>&1 || echo "ring ${bc##*:}: exit $?"
+  done
+  cp "$R/packaged_dustin.json" "$packaged"
+  timeout 90 "${e2e[@]}" --batches 16 --contexts 32768 --budget 1024,2048 --methods dustin-ip,dustin-ip-sparse-draft \
+    --out "$R/e2e_packaged_32k.json" > "$R/e2e_packaged_32k.log" 2>&1 || echo "e2e packaged: exit $?"
+  grep -h "'method': 'dustin" "$R/e2e_packaged_32k.log" | cut -c1-140 || true
   ;;
 needle-new)
   # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
