@@ -210,7 +210,7 @@ headline)
   e2e=(python3 bench_e2e.py --pair llama-8b --rounds 12)
   ring=(--budget 2048 --tau 2.7 --gamma 5 --ring-head-ids 32768 --ring-weights int8 --methods vanilla,dustin-ip-ring)
   cd benchmarks
-  timeout 260 "${e2e[@]}" --batches 16 --contexts 8192,16384,24576,32768 --budget 1024,2048 \
+  timeout 260 "${e2e[@]}" --batches 16 --contexts 8192,16384,24576,32768 --budget 512,1024,2048 \
     --methods vanilla,classic,magicdec,dustin-h,dustin-ip,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv \
     --out "$R/e2e_headline.json" > "$R/e2e_headline.log" 2>&1 || echo "e2e: exit $?"
   grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_headline.log" | grep 32768 | cut -c1-140 || true
