@@ -22,10 +22,11 @@
 #   window-tau C [C2]  after the stash calls (with the draft and ring weights stashed): the in-pass GPU tests; the tau
 #               of classic, dustin-ip and dustin-ip-sparse-draft at the config C (k = 512 / 1024 / 2048) and of the
 #               ring drafter (dustin-ip-ring, Γ = 5, int8, T = 0 and 1, as issue 38 measured it) at C; with C2, also
-#               dustin-ip-sparse-draft's tau at k = 1024 with C2
-#   headline C  the README headline's round times with C as the packaged config (bench_e2e, 8K-32K, B = 16, the ring
-#               rows at 32K / 64K / 128K), then dustin-ip and dustin-ip-sparse-draft at 32K with the packaged config
-#               the call found, in the same call (an H200; random weights, no stash)
+#               dustin-ip-sparse-draft's tau at k = 1024 with C2 (TAU_RING=0: no ring drafter)
+#   headline C  the README headline's round times with C as the packaged config (bench_e2e, 8K-32K, B = 16), then
+#               dustin-ip and dustin-ip-sparse-draft at 32K with the packaged config the call found, then the ring rows
+#               at 32K / 64K / 128K with C, in the same call (an H200; random weights, no stash). Every step packs
+#               what finished, so a deadline keeps the steps before it
 #   The weights: tree-on leaves the packaged draft and ring drafter out, and a GGUF part with the draft's 28 MB is over
 #   a call's 64 MiB; so `stash N` also keeps whatever files of .carry/s4/smollm2_draft and .carry/s4/smollm2_ring its
 #   call carried (one safetensors shard per call), and the runs that need them put them back.
@@ -177,20 +178,21 @@ window-tau)
   weights
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   R=~/res; rm -rf "$R"; mkdir -p "$R"
-  trap 'tar czf "$OUT/window_tau.tgz" -C "$R" .' EXIT
+  pack() { tar czf "$OUT/window_tau.tgz" -C "$R" .; }  # after every step: what finished comes back at a deadline
+  trap pack EXIT
   cp "$config" "$R/dustin_config.json"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_in_pass.py tests/test_plugins_selection.py \
     > "$R/gpu_tests.txt" 2>&1 || echo "tests: exit $?"
-  tail -n 2 "$R/gpu_tests.txt"
+  tail -n 2 "$R/gpu_tests.txt"; pack
   cd benchmarks
   tau=(python3 eval_tau.py --target "$GGUF" --prompts "$S"/test_prompts.npz --contexts 4096 8192 --docs 24)
   timeout 200 "${tau[@]}" --dustin-config "$R/dustin_config.json" --methods classic dustin-ip dustin-ip-sparse-draft \
     --budgets 512 1024 2048 --batch-size 28 --out "$R/tau_window.json" > "$R/tau_window.log" 2>&1 || echo "tau: exit $?"
-  grep -E "tau [0-9]" "$R/tau_window.log" | grep -v "^ " | tail -n 4 || true
-  timeout 150 "${tau[@]}" --dustin-config "$R/dustin_config.json" --temperatures 0 1 \
+  grep -E "tau [0-9]" "$R/tau_window.log" | grep -v "^ " | tail -n 4 || true; pack
+  [ "${TAU_RING:-1}" = 0 ] || timeout 150 "${tau[@]}" --dustin-config "$R/dustin_config.json" --temperatures 0 1 \
     --families books essays code fortunes --methods dustin-ip-ring --gammas 5 --budgets 2048 --ring-weights int8 \
     --out "$R/tau_ring_window.json" > "$R/tau_ring_window.log" 2>&1 || echo "ring tau: exit $?"
-  grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true
+  grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true; pack
   if [ -n "${3:-}" ]; then
     cp "../$3" "$R/dustin_config_2.json"
     timeout 90 "${tau[@]}" --dustin-config "$R/dustin_config_2.json" --methods classic dustin-ip-sparse-draft \
@@ -204,7 +206,8 @@ headline)
   R=~/res; rm -rf "$R"; mkdir -p "$R"
   packaged=$PWD/trtllm_dustin/weights/smollm2_draft/dustin.json
   cp "$packaged" "$R/packaged_dustin.json"
-  trap 'cp "$R/packaged_dustin.json" "$packaged"; tar czf "$OUT/headline.tgz" -C "$R" .' EXIT
+  pack() { tar czf "$OUT/headline.tgz" -C "$R" .; }  # after every step: what finished comes back at a deadline
+  trap 'cp "$R/packaged_dustin.json" "$packaged"; pack' EXIT
   cp "$config" "$packaged"
   cp "$config" "$R/dustin_config.json"
   e2e=(python3 bench_e2e.py --pair llama-8b --rounds 12)
@@ -213,15 +216,17 @@ headline)
   timeout 260 "${e2e[@]}" --batches 16 --contexts 8192,16384,24576,32768 --budget 512,1024,2048 \
     --methods vanilla,classic,magicdec,dustin-h,dustin-ip,dustin-ip-sparse-draft,classic+fp8kv,dustin-h+fp8kv \
     --out "$R/e2e_headline.json" > "$R/e2e_headline.log" 2>&1 || echo "e2e: exit $?"
-  grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_headline.log" | grep 32768 | cut -c1-140 || true
-  for bc in 16:32768 8:65536 4:131072; do
-    timeout 70 "${e2e[@]}" --batches "${bc%%:*}" --contexts "${bc##*:}" "${ring[@]}" \
-      --out "$R/e2e_ring_${bc##*:}.json" > "$R/e2e_ring_${bc##*:}.log" 2>&1 || echo "ring ${bc##*:}: exit $?"
-  done
+  grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_headline.log" | grep 32768 | cut -c1-140 || true; pack
   cp "$R/packaged_dustin.json" "$packaged"
   timeout 90 "${e2e[@]}" --batches 16 --contexts 32768 --budget 1024,2048 --methods dustin-ip,dustin-ip-sparse-draft \
     --out "$R/e2e_packaged_32k.json" > "$R/e2e_packaged_32k.log" 2>&1 || echo "e2e packaged: exit $?"
-  grep -h "'method': 'dustin" "$R/e2e_packaged_32k.log" | cut -c1-140 || true
+  grep -h "'method': 'dustin" "$R/e2e_packaged_32k.log" | cut -c1-140 || true; pack
+  cp "$config" "$packaged"  # the ring rows with C
+  for bc in 16:32768 8:65536 4:131072; do
+    timeout 70 "${e2e[@]}" --batches "${bc%%:*}" --contexts "${bc##*:}" "${ring[@]}" \
+      --out "$R/e2e_ring_${bc##*:}.json" > "$R/e2e_ring_${bc##*:}.log" 2>&1 || echo "ring ${bc##*:}: exit $?"
+    pack
+  done
   ;;
 needle-new)
   # the generalisation run for the shipped default (dustin-ip-sparse-draft at the packaged config), after `stash`
