@@ -192,7 +192,7 @@ window-tau)
   [ "${TAU_RING:-1}" = 0 ] || timeout 150 "${tau[@]}" --dustin-config "$R/dustin_config.json" --temperatures 0 1 \
     --families books essays code fortunes --methods dustin-ip-ring --gammas 5 --budgets 2048 --ring-weights int8 \
     --out "$R/tau_ring_window.json" > "$R/tau_ring_window.log" 2>&1 || echo "ring tau: exit $?"
-  grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true; pack
+  [ ! -f "$R/tau_ring_window.log" ] || grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true; pack
   if [ -n "${3:-}" ]; then
     cp "../$3" "$R/dustin_config_2.json"
     timeout 90 "${tau[@]}" --dustin-config "$R/dustin_config_2.json" --methods classic dustin-ip-sparse-draft \
@@ -200,7 +200,7 @@ window-tau)
   fi
   ;;
 headline)
-  config=${2:?headline C: the config to ship}
+  config=$(realpath "${2:?headline C: the config to ship}")  # read again after the cd below
   install
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   R=~/res; rm -rf "$R"; mkdir -p "$R"
