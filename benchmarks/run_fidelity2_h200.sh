@@ -33,6 +33,10 @@
 #   A session: `bash benchmarks/dev/prepare_carry.sh fidelity2` and `... tree-on` here, then two calls
 #   (carry [".carry/q/gguf.0", ".carry/test_prompts.npz", ".carry/quality_tasks.json.gz", ".whl", ".carry/git_sha"]:
 #   `stash 0`; carry [".carry/q/gguf.1", ...the configs]: `stash 1 && bash ... sweep .carry/c/*.json`)
+#   For window-tau, three calls within the warm machine's 30 s: `stash 0` (gguf.0, the prompts, .whl, git_sha, the
+#   draft's index and config.json, the ring drafter's config.json and head_ids); `stash 1` (gguf.1 and
+#   .carry/s4/smollm2_draft/model-00001-of-00002.safetensors); `stash 2 && bash ... window-tau .carry/c/C.json`
+#   (the draft's second shard, .carry/s4/smollm2_ring/model.safetensors, .carry/c)
 set -euo pipefail
 S=~/stash
 OUT=${OUT:-/tmp/out}
