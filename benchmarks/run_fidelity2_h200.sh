@@ -176,7 +176,8 @@ e2e-window)
   done
   ;;
 window-tau)
-  config=${2:?window-tau C [C2]: the window config}
+  config=$(realpath "${2:?window-tau C [C2]: the window config}")
+  config2=${3:+$(realpath "$3")}  # both read after the cd below
   install
   join_gguf
   weights
@@ -197,8 +198,8 @@ window-tau)
     --families books essays code fortunes --methods dustin-ip-ring --gammas 5 --budgets 2048 --ring-weights int8 \
     --out "$R/tau_ring_window.json" > "$R/tau_ring_window.log" 2>&1 || echo "ring tau: exit $?"
   [ ! -f "$R/tau_ring_window.log" ] || grep -E "tau [0-9]" "$R/tau_ring_window.log" | tail -n 2 || true; pack
-  if [ -n "${3:-}" ]; then
-    cp "../$3" "$R/dustin_config_2.json"
+  if [ -n "$config2" ]; then
+    cp "$config2" "$R/dustin_config_2.json"
     timeout 90 "${tau[@]}" --dustin-config "$R/dustin_config_2.json" --methods classic dustin-ip-sparse-draft \
       --budgets 1024 --batch-size 28 --out "$R/tau_window_2.json" > "$R/tau_window_2.log" 2>&1 || echo "tau 2: exit $?"
   fi
