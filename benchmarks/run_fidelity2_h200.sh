@@ -10,9 +10,6 @@
 #               method on the test windows (eval_tau.py)
 #   quality C   the same runs with the config file C instead of a new search (a carried search output)
 #   needle-new  the generalisation run of the shipped default (after the stash calls)
-#   e2e-window C  the e2e rows at 32K, B = 16, k = 1024 / 2048 of the packaged config and of the score-window config C,
-#               one call, no stash (random weights; an H200). C is carried: tree-on leaves the results out, so copy
-#               `benchmarks/results/fidelity2/h100_sweep_window/w21max/dustin_config.json` to `.carry/c/w21max.json`
 #   sweep C...  the default method (dustin-ip-sparse-draft) beside FullKV at each carried config C (say, the
 #               packaged one with another n_recent), every task, 4K and 8K, k = 512 / 1024 / 2048; one archive per C
 #               (sweep_NAME.tgz), each run under its own deadline so that one slow config keeps the others;
@@ -55,6 +52,14 @@ install() {
     python3 -m pip install -q --no-index --no-deps --no-cache-dir "$S"/gguf-*.whl
   python3 -m pip install -q --no-deps --no-build-isolation -e .
 }
+keep_weights() {  # the draft and ring weight files this call carried (not a Dustin config: the tree has it) -> ~/stash
+  local d f
+  for d in smollm2_draft smollm2_ring; do
+    for f in .carry/s4/$d/*.safetensors .carry/s4/$d/model.safetensors.index.json .carry/s4/$d/config.json; do
+      if [ -f "$f" ]; then mkdir -p "$S/$d"; cp "$f" "$S/$d/"; fi
+    done
+  done
+}
 weights() {  # the packaged draft and ring drafter files that `stash` kept, back where the package reads them
   local d
   for d in smollm2_draft smollm2_ring; do
@@ -68,11 +73,7 @@ case "$1" in
 stash)
   mkdir -p "$S"
   [ -f .carry/q/gguf."$2" ] && cp .carry/q/gguf."$2" "$S"/
-  for d in smollm2_draft smollm2_ring; do  # weight files carried with this part (not a Dustin config: the tree has it)
-    for f in .carry/s4/$d/*.safetensors .carry/s4/$d/model.safetensors.index.json .carry/s4/$d/config.json; do
-      if [ -f "$f" ]; then mkdir -p "$S/$d"; cp "$f" "$S/$d/"; fi
-    done
-  done
+  keep_weights
   for extra in .whl/gguf-0.19.0-py3-none-any.whl .carry/test_prompts.npz .carry/quality_tasks.json.gz; do
     [ -f "$extra" ] && cp "$extra" "$S"/
   done
@@ -137,9 +138,10 @@ sweep)
     esac ;;
   esac
   if ! ls trtllm_dustin/weights/smollm2_draft/*.safetensors > /dev/null 2>&1; then  # tree-on leaves the draft out
-    [ -d .carry/s4/smollm2_draft ] || { echo "the packaged draft is missing: carry .carry/s4/smollm2_draft"; exit 2; }
-    cp .carry/s4/smollm2_draft/*.safetensors .carry/s4/smollm2_draft/model.safetensors.index.json \
-      .carry/s4/smollm2_draft/config.json trtllm_dustin/weights/smollm2_draft/
+    keep_weights
+    weights
+    ls trtllm_dustin/weights/smollm2_draft/*.safetensors > /dev/null 2>&1 || {
+      echo "the packaged draft is missing: carry .carry/s4/smollm2_draft (or stash it)"; exit 2; }
   fi
   install
   join_gguf
@@ -156,24 +158,6 @@ sweep)
     tar czf "$OUT/sweep_$name.tgz" -C "$R" .
   done
   ls -la "$OUT"
-  ;;
-e2e-window)
-  # the round time of a score-window config C against the packaged config: bench_e2e at 32K, B = 16 (an H200), k = 1024
-  # and 2048, one process each (the placeholder config takes the packaged file's window), the same call and kernels
-  config=${2:?e2e-window C: the window config}
-  install
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  R=~/res; rm -rf "$R"; mkdir -p "$R"
-  packaged=trtllm_dustin/weights/smollm2_draft/dustin.json
-  cp "$packaged" "$R/packaged_dustin.json"
-  trap 'cp "$R/packaged_dustin.json" "$packaged"; tar czf "$OUT/e2e_window.tgz" -C "$R" .' EXIT
-  for c in packaged window; do
-    [ $c = window ] && cp "$config" "$packaged"
-    (cd benchmarks && timeout "${E2E_SECONDS:-115}" python3 bench_e2e.py --pair llama-8b --batches 16 --contexts 32768 \
-      --budget 1024,2048 --rounds 12 --methods vanilla,dustin-h,dustin-h-sparse-draft,dustin-ip-sparse-draft \
-      --out "$R/e2e_$c.json" > "$R/e2e_$c.log" 2>&1) || echo "e2e $c: exit $?"
-    grep -h "'method': '\(dustin\|vanilla\)" "$R/e2e_$c.log" | cut -c1-140 || true
-  done
   ;;
 window-tau)
   config=$(realpath "${2:?window-tau C [C2]: the window config}")
@@ -245,5 +229,9 @@ needle-new)
     --batch-size 60 --m-sweep --dustin-config ../trtllm_dustin/weights/smollm2_draft/dustin.json --contexts 4096 8192 \
     --budgets 512 1024 2048 --tasks needle-new --methods classic dustin-ip-sparse-draft dustin-ip quest snapkv \
     --jobs 2 --out "$R/quality_needle_new_default_h200.json" 2>&1 | grep -E "finished|units in" || true
+  ;;
+*)
+  echo "unknown mode '${1:-}': give stash N, e2e, quality [C], sweep C..., window-tau C [C2], headline C or needle-new" >&2
+  exit 2
   ;;
 esac

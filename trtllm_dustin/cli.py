@@ -1058,8 +1058,7 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         if getattr(args, "budget", None) is not None:
             dustin = dustin.with_budget(args.budget)
         selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
-        window = (f", score window {dustin.score_window} ({dustin.score_window_op})"
-                  if selection and dustin.score_window > 1 else "")
+        window = f", score window {dustin.score_window} ({dustin.score_window_op})" if dustin.score_window > 1 else ""
         print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}"
               + (f"; in-pass selection layers {selection}{window}" if selection else "") + "; fingerprints match)",
               flush=True)
