@@ -23,7 +23,7 @@
 #   headline C  the README headline's round times with C as the packaged config (bench_e2e, 8K-32K, B = 16), then
 #               dustin-ip and dustin-ip-sparse-draft at 32K with the packaged config the call found, then the ring rows
 #               at 32K / 64K / 128K with C, in the same call (an H200; random weights, no stash). Every step packs
-#               what finished, so a deadline keeps the steps before it
+#               what finished, so a deadline keeps the steps before it (HEADLINE_RING=0: no ring rows)
 #   The weights: tree-on leaves the packaged draft and ring drafter out, and a GGUF part with the draft's 28 MB is over
 #   a call's 64 MiB; so `stash N` also keeps whatever files of .carry/s4/smollm2_draft and .carry/s4/smollm2_ring its
 #   call carried (one safetensors shard per call), and the runs that need them put them back.
@@ -210,7 +210,8 @@ headline)
   timeout 90 "${e2e[@]}" --batches 16 --contexts 32768 --budget 1024,2048 --methods dustin-ip,dustin-ip-sparse-draft \
     --out "$R/e2e_packaged_32k.json" > "$R/e2e_packaged_32k.log" 2>&1 || echo "e2e packaged: exit $?"
   grep -h "'method': 'dustin" "$R/e2e_packaged_32k.log" | cut -c1-140 || true; pack
-  cp "$config" "$packaged"  # the ring rows with C
+  cp "$config" "$packaged"  # the ring rows with C (HEADLINE_RING=0: none)
+  [ "${HEADLINE_RING:-1}" = 0 ] && exit 0
   for bc in 16:32768 8:65536 4:131072; do
     timeout 70 "${e2e[@]}" --batches "${bc%%:*}" --contexts "${bc##*:}" "${ring[@]}" \
       --out "$R/e2e_ring_${bc##*:}.json" > "$R/e2e_ring_${bc##*:}.log" 2>&1 || echo "ring ${bc##*:}: exit $?"
