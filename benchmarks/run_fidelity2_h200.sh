@@ -212,8 +212,8 @@ headline)
   timeout 90 "${e2e[@]}" --batches 16 --contexts 32768 --budget 1024,2048 --methods dustin-ip,dustin-ip-sparse-draft \
     --out "$R/e2e_packaged_32k.json" > "$R/e2e_packaged_32k.log" 2>&1 || echo "e2e packaged: exit $?"
   grep -h "'method': 'dustin" "$R/e2e_packaged_32k.log" | cut -c1-140 || true; pack
-  cp "$config" "$packaged"  # the ring rows with C (HEADLINE_RING=0: none)
-  [ "${HEADLINE_RING:-1}" = 0 ] && exit 0
+  [ "${HEADLINE_RING:-1}" = 0 ] && exit 0  # no ring rows
+  cp "$config" "$packaged"  # the ring rows with C
   for bc in 16:32768 8:65536 4:131072; do
     timeout 70 "${e2e[@]}" --batches "${bc%%:*}" --contexts "${bc##*:}" "${ring[@]}" \
       --out "$R/e2e_ring_${bc##*:}.json" > "$R/e2e_ring_${bc##*:}.log" 2>&1 || echo "ring ${bc##*:}: exit $?"
