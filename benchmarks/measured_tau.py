@@ -12,6 +12,8 @@ pooled over the eval's windows (every family and context of the test split, gree
 beside it), the method at the e2e run's Γ over Classic SD at --classic-gamma. Classic SD itself stays at its stated
 tau, vanilla at 1. Methods the eval did not measure (at that budget and Γ) get no measured row. Several --tau files
 (of the same prompts file and --docs) are read as one; a corpus an eval marks unseen (`unseen_families`) is left out.
+--replace takes a later eval of some methods (say, with another Dustin config): its rows take the place of the --tau
+files' rows of the same method, budget, Γ and temperature, and its Classic SD must equal theirs (the same windows).
 
     python benchmarks/measured_tau.py --e2e benchmarks/results/fidelity/e2e_budget_llama-8b_h200.json \\
         --tau benchmarks/results/fidelity/tau_by_method_h200.json --out benchmarks/results/fidelity/headline.json
@@ -57,6 +59,24 @@ def measured_ratios(tau_rows: list[dict], temperature: float = 0.0, classic_gamm
         out[(method, budget, gamma)] = {"tau": pooled_tau(mine), "classic_tau": pooled_tau(base_all),
                                  "ratio": pooled_tau(mine) / pooled_tau(base_all), "per_context": per_context}
     return out
+
+
+def replace_rows(tau_rows: list[dict], later: list[dict]) -> list[dict]:
+    """tau_rows with every (method, budget, Γ, temperature) that `later` measured taken from `later` instead. Classic
+    SD is the ratios' denominator, so where both have it, its tau must agree context by context (the same windows)."""
+    def key(r: dict) -> tuple:
+        return r["method"], r.get("budget"), r.get("gamma", 3), r.get("temperature", 0.0)
+
+    replaced = {key(r) for r in later}
+    for k in (k for k in replaced if k[0] == "classic"):
+        for context in sorted({r["context"] for r in later if key(r) == k}):
+            old = [r for r in tau_rows if key(r) == k and r["context"] == context]
+            new = [r for r in later if key(r) == k and r["context"] == context]
+            if old and abs(pooled_tau(old) - pooled_tau(new)) > 1e-9:
+                raise SystemExit(f"--replace: its classic tau at context {context} (Γ = {k[2]}) is "
+                                 f"{pooled_tau(new):.4f}, the --tau files' {pooled_tau(old):.4f}; a replacement must "
+                                 "be measured on the same windows (the same prompts file and --docs)")
+    return [r for r in tau_rows if key(r) not in replaced] + later
 
 
 def headline_rows(e2e: dict, ratios: dict, classic_stated: float) -> list[dict]:
@@ -105,6 +125,9 @@ def main() -> None:
     parser.add_argument("--e2e", type=Path, required=True, help="a bench_e2e.py JSON")
     parser.add_argument("--tau", type=Path, nargs="+", required=True,
                         help="eval_tau.py JSONs of the same windows, classic at --classic-gamma among their methods")
+    parser.add_argument("--replace", type=Path, nargs="+", default=[],
+                        help="eval_tau.py JSONs of the same windows whose rows replace the --tau files' rows of the "
+                        "same method, budget, Γ and temperature (default: none)")
     parser.add_argument("--classic-gamma", type=int, default=3, help="Classic SD's Γ that the ratios divide by "
                         "(default: 3, the pair's)")
     parser.add_argument("--tau-fp8", type=Path, default=None,
@@ -115,12 +138,15 @@ def main() -> None:
                         "Llama-3.1-8B + 1B at batch 16, 32K)")
     parser.add_argument("--out", type=Path, required=True, help="JSON; a markdown table is written beside it")
     args = parser.parse_args()
-    for path in (args.e2e, *args.tau):
+    for path in (args.e2e, *args.tau, *args.replace):
         if not path.is_file():
             raise SystemExit(f"{path} does not exist")
     e2e, taus = json.loads(args.e2e.read_text()), [json.loads(path.read_text()) for path in args.tau]
-    unseen = {family for tau in taus for family in tau.get("unseen_families", [])}
+    later = [json.loads(path.read_text()) for path in args.replace]
+    unseen = {family for tau in taus + later for family in tau.get("unseen_families", [])}
     tau_rows = [r for tau in taus for r in tau["rows"] if r.get("family") not in unseen]
+    if later:
+        tau_rows = replace_rows(tau_rows, [r for tau in later for r in tau["rows"] if r.get("family") not in unseen])
     if args.tau_fp8 is not None:
         fp8 = json.loads(args.tau_fp8.read_text())
         if fp8.get("draft_kv_cache") != "fp8":
@@ -132,6 +158,8 @@ def main() -> None:
     save_json(args.out, {**environment(), "e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"),
                          "tau": str(args.tau[0]) if single else [str(p) for p in args.tau],
                          "tau_git_sha": taus[0].get("git_sha") if single else [t.get("git_sha") for t in taus],
+                         **({"replace": [str(p) for p in args.replace],
+                             "replace_git_sha": [t.get("git_sha") for t in later]} if later else {}),
                          "unseen_families_left_out": sorted(unseen),
                          "tau_fp8": str(args.tau_fp8) if args.tau_fp8 else None,
                          "classic_stated_tau": args.classic_tau, "classic_gamma": args.classic_gamma,

@@ -170,3 +170,19 @@ def test_a_sweep_is_counted_against_another_runs_baselines() -> None:
     assert "  lost: vt 4K k=2048: 31.7 < quest 40.8" in counted.splitlines()
     alone = subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout
     assert "wins or ties 0 of 0 cells" in alone
+
+
+def test_replace_takes_a_later_evals_methods_and_refuses_other_windows() -> None:
+    """--replace: a later eval's (method, budget, Γ) rows stand instead of the earlier ones, other methods keep theirs,
+    and a replacement whose Classic SD differs (other windows) is refused."""
+    earlier = [tau_row("classic", 4096, [0, 10, 0, 0]),  # tau 2
+               tau_row("dustin-ip", 4096, [10, 0, 0, 0], 2048),  # tau 1
+               tau_row("dustin-h", 4096, [0, 10, 0, 0], 1024)]  # tau 2
+    later = [tau_row("classic", 4096, [0, 10, 0, 0]), tau_row("dustin-ip", 4096, [0, 0, 10, 0], 2048)]  # tau 3
+    ratios = measured_tau.measured_ratios(measured_tau.replace_rows(earlier, later))
+    assert ratios[("dustin-ip", 2048, 3)]["ratio"] == pytest.approx(3 / 2)  # read as one, it would be (1 + 3) / 2 / 2
+    assert ratios[("dustin-h", 1024, 3)]["ratio"] == pytest.approx(1.0)
+    assert measured_tau.measured_ratios(earlier + later)[("dustin-ip", 2048, 3)]["ratio"] == pytest.approx(1.0)
+    other = [tau_row("classic", 4096, [0, 0, 10, 0]), later[1]]
+    with pytest.raises(SystemExit, match="classic tau at context 4096"):
+        measured_tau.replace_rows(earlier, other)
