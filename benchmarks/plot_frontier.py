@@ -29,6 +29,14 @@ def _merged(summaries: list[dict]) -> dict[str, dict]:
     return merged
 
 
+def only_tasks(summaries: list[dict], tasks: list[str] | None) -> list[dict]:
+    """The summaries with only the rows of `tasks` (None: every row), so that a run with one more task (needle-new,
+    say) adds its cells without taking the other runs' methods out of the task mean."""
+    if tasks is None:
+        return summaries
+    return [{name: row for name, row in summary.items() if name.split("|")[0] in tasks} for summary in summaries]
+
+
 def task_gaps(summaries: list[dict]) -> dict[tuple[int, str, int | None], dict[str, float]]:
     """(context, key, budget) -> task -> primary metric minus FullKV's, x 100."""
     merged = _merged(summaries)
@@ -90,6 +98,8 @@ def default_choice(quality: dict, gaps: dict, times: dict, contexts: list[int], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quality", type=Path, nargs="+", required=True, help="eval_quality.py JSONs (main run last)")
+    parser.add_argument("--tasks", nargs="+", default=None, choices=sorted(PRIMARY),
+                        help="the tasks of the task mean (default: every task FullKV has at the context)")
     parser.add_argument("--e2e", type=Path, required=True, help="bench_e2e.py --budget JSON")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--e2e-context", type=int, default=32768, help="the context whose round times are used")
@@ -106,7 +116,7 @@ def main() -> None:
     for path in [*args.quality, args.e2e]:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist")
-    summaries = [json.loads(p.read_text())["summary"] for p in args.quality]
+    summaries = only_tasks([json.loads(p.read_text())["summary"] for p in args.quality], args.tasks)
     quality, gaps = quality_means(summaries), task_gaps(summaries)
     e2e = json.loads(args.e2e.read_text())
     times = round_times(e2e, args.batch, args.e2e_context)
@@ -117,6 +127,7 @@ def main() -> None:
     contexts = sorted({c for c, _, _ in quality})
     default = default_choice(quality, gaps, times, contexts, reference, args.cost_limit, args.goal, args.task_goal)
     report = {"e2e": str(args.e2e), "e2e_git_sha": e2e.get("git_sha"), "quality": [str(p) for p in args.quality],
+              "tasks": args.tasks,
               "batch": args.batch, "e2e_context": args.e2e_context, "cost_limit": args.cost_limit, "goal": args.goal,
               "task_goal": args.task_goal,
               "round_ms": [{"method": m, "budget": k, "ms": ms} for (m, k), ms in sorted(times.items(),

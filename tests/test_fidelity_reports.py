@@ -118,6 +118,25 @@ def test_frontier_picks_the_cheapest_point_that_meets_the_goals(tmp_path: Path) 
     assert plot_frontier.quality_means([summary])[(4096, "oracle", 512)] == pytest.approx(60.0)
 
 
+def test_a_later_run_with_one_more_task_keeps_the_other_methods_with_tasks() -> None:
+    """A later quality run that adds needle-new for FullKV and one method leaves every other method without that
+    task, so the task mean drops them; --tasks (only_tasks) keeps the mean over the tasks every run has, and the later
+    run's method rows replace the earlier ones."""
+    earlier = {"needle|4096|classic|None": {"string_match": summary_cell(0.8)},
+               "needle|4096|dustin-h|1024": {"string_match": summary_cell(0.4)},
+               "needle|4096|dustin-ip|2048": {"string_match": summary_cell(0.6)}}
+    later = {"needle|4096|classic|None": {"string_match": summary_cell(0.8)},
+             "needle|4096|dustin-ip|2048": {"string_match": summary_cell(0.9)},
+             "needle-new|4096|classic|None": {"string_match": summary_cell(0.5)},
+             "needle-new|4096|dustin-ip|2048": {"string_match": summary_cell(0.3)}}
+    every = plot_frontier.quality_means([earlier, later])
+    assert (4096, "dustin-h", 1024) not in every and every[(4096, "dustin-ip", 2048)] == pytest.approx(60.0)
+    kept = plot_frontier.quality_means(plot_frontier.only_tasks([earlier, later], ["needle"]))
+    assert kept[(4096, "dustin-h", 1024)] == pytest.approx(40.0)
+    assert kept[(4096, "dustin-ip", 2048)] == pytest.approx(90.0)
+    assert plot_frontier.only_tasks([earlier], None) == [earlier]
+
+
 def test_paired_losses_separate_a_real_gap_from_noise(tmp_path: Path) -> None:
     """baseline_cells.py --paired on a hand-made run: a method that is 1 point under Quest on every sample loses with
     an interval below 0; one that loses 2 of 60 needles it shares with Quest, and wins 1 back, stays within noise; the
