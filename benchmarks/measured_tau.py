@@ -41,7 +41,7 @@ def measured_ratios(tau_rows: list[dict], temperature: float = 0.0, classic_gamm
     rows = [r for r in tau_rows if r.get("temperature", 0.0) == temperature]
     by_key = defaultdict(list)
     for r in rows:
-        by_key[(r["method"], r.get("budget"), r.get("gamma", 3))].append(r)
+        by_key[row_key(r)[:3]].append(r)
     classic = by_key.get(("classic", None, classic_gamma))
     if not classic:
         raise SystemExit(f"--tau: the eval has no classic rows at Γ = {classic_gamma} (run eval_tau.py with "
@@ -61,22 +61,23 @@ def measured_ratios(tau_rows: list[dict], temperature: float = 0.0, classic_gamm
     return out
 
 
+def row_key(r: dict) -> tuple:
+    """An eval row's (method, budget, Γ, temperature): what the ratios group by, and what --replace replaces."""
+    return r["method"], r.get("budget"), r.get("gamma", 3), r.get("temperature", 0.0)
+
+
 def replace_rows(tau_rows: list[dict], later: list[dict]) -> list[dict]:
     """tau_rows with every (method, budget, Γ, temperature) that `later` measured taken from `later` instead. Classic
     SD is the ratios' denominator, so where both have it, its tau must agree context by context (the same windows)."""
-    def key(r: dict) -> tuple:
-        return r["method"], r.get("budget"), r.get("gamma", 3), r.get("temperature", 0.0)
-
-    replaced = {key(r) for r in later}
-    for k in (k for k in replaced if k[0] == "classic"):
-        for context in sorted({r["context"] for r in later if key(r) == k}):
-            old = [r for r in tau_rows if key(r) == k and r["context"] == context]
-            new = [r for r in later if key(r) == k and r["context"] == context]
-            if old and abs(pooled_tau(old) - pooled_tau(new)) > 1e-9:
-                raise SystemExit(f"--replace: its classic tau at context {context} (Γ = {k[2]}) is "
-                                 f"{pooled_tau(new):.4f}, the --tau files' {pooled_tau(old):.4f}; a replacement must "
-                                 "be measured on the same windows (the same prompts file and --docs)")
-    return [r for r in tau_rows if key(r) not in replaced] + later
+    for k, context in sorted({(row_key(r), r["context"]) for r in later if r["method"] == "classic"}, key=str):
+        old = [r for r in tau_rows if row_key(r) == k and r["context"] == context]
+        new = [r for r in later if row_key(r) == k and r["context"] == context]
+        if old and abs(pooled_tau(old) - pooled_tau(new)) > 1e-9:
+            raise SystemExit(f"--replace: its classic tau at context {context} (Γ = {k[2]}) is {pooled_tau(new):.4f}, "
+                             f"the --tau files' {pooled_tau(old):.4f}; a replacement must be measured on the same "
+                             "windows (the same prompts file and --docs)")
+    replaced = {row_key(r) for r in later}
+    return [r for r in tau_rows if row_key(r) not in replaced] + later
 
 
 def headline_rows(e2e: dict, ratios: dict, classic_stated: float) -> list[dict]:
