@@ -70,8 +70,10 @@ def choose(selector: Selector, lengths: torch.Tensor, phase: Callable[[str], con
     if selector.budget is None:
         return None
     phase = phase or (lambda name: contextlib.nullcontext())
-    with phase("estimate"):
-        scores = run("estimate", lambda: selector.estimate(lengths))
+    scores = None
+    if selector.estimates():  # else no phase: an empty one would be an empty CUDA graph replayed every round
+        with phase("estimate"):
+            scores = run("estimate", lambda: selector.estimate(lengths))
     if combine is not None:
         scores = combine(scores)
     with phase("select"):

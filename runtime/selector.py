@@ -10,8 +10,9 @@ set through the in-pass seam (experimental/oracle.py). They run inside CUDA grap
 buffers and return them (no host sync). Hooks: `bind` (the decoder's RoundState, once, when the decoder is built),
 `on_prefill` (prompt-time state of newly admitted slots) and `observe` (each round's verdict, before the commit).
 
-Implementations subclass Selector explicitly, which gives them the default of the optional member: a `bind` that
-keeps nothing.
+Implementations subclass Selector explicitly, which gives them the defaults of the optional members: a `bind` that
+keeps nothing, and `estimates` True (a selector whose estimate has nothing to do says False, and the round runs no
+estimate phase: on the GPU no CUDA graph is captured with nothing in it and replayed every round).
 
 Implementations (selectors/): full.py (no selection), dustin.py (Dustin-H/T/D, Eq. 5-6; with adaptive_share.py
 the input-aware share of dustin-h-adaptive), in_pass.py (the set chosen inside the verification pass from its own
@@ -46,6 +47,11 @@ class Selector(Protocol):
 
     def on_prefill(self, view: PrefillView) -> None:
         """Prompt-time state of newly admitted slots."""
+
+    def estimates(self) -> bool:
+        """Whether `estimate` does anything: False when it would only return None (its set follows the lengths, was
+        fixed at the prompt or is chosen inside the pass), and `select` is then handed None. The default: True."""
+        return True
 
     def estimate(self, lengths: torch.Tensor) -> Any:
         """Scores of the committed context [0, L_b) (its own buffers), for `select`."""

@@ -3,17 +3,21 @@ own invariants: greedy equality, what each phase reads, the stop rules, seeding,
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import speculative
 from helpers.kernels import use_interpreter
 from helpers.speculative import DTYPE, GAMMA, PROMPTS, S_MAX, Env, dustin_config, run
+from torch.overrides import TorchFunctionMode
 
 import trtllm_dustin.runtime.experimental  # noqa: F401  (the evaluation-only methods join METHODS)
 from trtllm_dustin.attention import AttentionMetadata, get_backend
 from trtllm_dustin.config import ConfigError
 from trtllm_dustin.dustin_config import DustinConfig, LayerHeads
 from trtllm_dustin.kv_cache import KVCache
+from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.build import build_decoder
 from trtllm_dustin.runtime.experimental import OracleSelector
 from trtllm_dustin.runtime.generation import GenerationConfig
@@ -166,6 +170,39 @@ def test_every_method_with_budget_over_every_length_equals_vanilla(env: Env, van
     """k = max_seq_len: every verification set holds the whole context, so each registered method is lossless."""
     _, result = run(method, env, dustin=dustin_config(budget=S_MAX, m=40))
     assert result.tokens == vanilla_tokens
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", SPARSE)
+def test_a_selector_runs_an_estimate_phase_exactly_when_its_estimate_does_something(env: Env, method: str) -> None:
+    """`estimates()` is False exactly for the selectors whose estimate calls no torch function and returns None
+    (StreamingLLM's sinks and window, SnapKV's prompt-time set, in-pass selection without the lookahead's share or page
+    bounds), and the round then runs no estimate phase: on the GPU no captured phase of the run is an empty CUDA graph
+    (torch warns of one at capture; the round would replay it every round)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoder, _ = run(method, env, dustin=dustin_config(budget=72, m=12, n_recent=8))  # SnapKV needs k > 32
+    empty = [w for w in caught if "CUDA Graph is empty" in str(w.message)]
+    assert not empty, f"{method}: {len(empty)} captured phase(s) with nothing in them"
+    selector, lengths = decoder.selector, decoder.state.lengths
+    with torch.inference_mode(), _TorchCalls() as counted:
+        scores = selector.estimate(lengths)
+    assert selector.estimates() == (counted.calls > 0 or scores is not None), counted.calls
+    if not selector.estimates():
+        selector.estimate = lambda lengths: pytest.fail("the round ran the estimate of a selector that skips it")
+        with torch.inference_mode():
+            assert phases.choose(selector, lengths) is not None
 
 
 @pytest.mark.parametrize("method", SPARSE)

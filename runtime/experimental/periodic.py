@@ -33,6 +33,9 @@ class PeriodicFullVerification(Selector):
     def on_prefill(self, view: PrefillView) -> None:
         self.inner.on_prefill(view)
 
+    def estimates(self) -> bool:
+        return self.inner.estimates()
+
     def estimate(self, lengths: torch.Tensor):
         return self.inner.estimate(lengths)
 

@@ -215,6 +215,10 @@ class InPassSelector(Selector):
         candidate = self._candidates(lengths)
         return torch.topk(s_draft.masked_fill(~candidate, float("-inf")), self.m, dim=1, sorted=False).indices
 
+    def estimates(self) -> bool:
+        """Only with the lookahead's share (m > 0) or page bounds (their key ranges); else the set is all the pass's."""
+        return bool(self.pages) or self.s_draft is not None
+
     def estimate(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """The lookahead's S_draft (m > 0), and for `pages` the key ranges of each slot's last two pages (the tokens
         committed since the last round)."""

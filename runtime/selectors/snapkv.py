@@ -156,6 +156,9 @@ class SnapKVSelector(Selector):
         self.prompt_lens[view.slots] = view.lengths
         self.priority[view.slots] = snapkv_priority(scores, start, view.lengths, self.budget)
 
+    def estimates(self) -> bool:
+        return False
+
     def estimate(self, lengths: torch.Tensor) -> None:
         return None
 

@@ -26,6 +26,9 @@ class StreamingLLMSelector(Selector):
     def on_prefill(self, view: PrefillView) -> None:
         """The set follows L_b; no prompt-time state."""
 
+    def estimates(self) -> bool:
+        return False
+
     def estimate(self, lengths: torch.Tensor) -> None:
         return None
 
