@@ -19,9 +19,6 @@ class FullVerification(Selector):
     def on_prefill(self, view: PrefillView) -> None:
         """No prompt-time state."""
 
-    def estimates(self) -> bool:
-        return False
-
     def estimate(self, lengths: torch.Tensor) -> None:
         return None
 
