@@ -44,10 +44,10 @@ FAMILIES = {"books": ("shakespeare", "milton"), "essays": ("essays_needlehaystac
 # A corpus no training or search ever read (issue 38's "documents from a corpus that training never saw"): named
 # only by --families, kept in a prompts file beside the test split when it is installed.
 UNSEEN = {"fortunes": "Debian's fortune cookies (trtllm_dustin.data.fortunes)"}
-KEEP_TOKENS = 32768  # tokens kept per document in a prompts file (four 8K windows)
+KEEP_TOKENS = 32768  # tokens kept per document in a prompts file (four 8K windows; --keep-tokens)
 
 
-def unseen_documents(encode) -> dict[str, list[tuple[str, np.ndarray]]]:
+def unseen_documents(encode, keep: int = KEEP_TOKENS) -> dict[str, list[tuple[str, np.ndarray]]]:
     """family -> [(doc_id, tokens)] of the unseen corpora, {} where they are not installed."""
     from trtllm_dustin.data import CorpusNotInstalledError
     from trtllm_dustin.data.fortunes import fortunes_documents
@@ -56,27 +56,28 @@ def unseen_documents(encode) -> dict[str, list[tuple[str, np.ndarray]]]:
         docs = list(fortunes_documents())
     except CorpusNotInstalledError:
         return {}
-    return {"fortunes": [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in docs]}
+    return {"fortunes": [(d.doc_id, np.asarray(encode(d.text)[:keep])) for d in docs]}
 
 
-def corpus_documents(tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:
-    """family -> [(doc_id, first KEEP_TOKENS tokens)]: the test split's families, and the unseen corpora installed."""
+def corpus_documents(tokenizer, keep: int = KEEP_TOKENS) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """family -> [(doc_id, first `keep` tokens)]: the test split's families, and the unseen corpora installed."""
     from trtllm_dustin.data import as_encoder, final_report_documents
 
     encode = as_encoder(tokenizer)
-    return {**{family: [(d.doc_id, np.asarray(encode(d.text)[:KEEP_TOKENS])) for d in final_report_documents(src)]
-               for family, src in FAMILIES.items()}, **unseen_documents(encode)}
+    return {**{family: [(d.doc_id, np.asarray(encode(d.text)[:keep])) for d in final_report_documents(src)]
+               for family, src in FAMILIES.items()}, **unseen_documents(encode, keep)}
 
 
-def save_prompts(path: Path, tokenizer) -> None:
-    families = corpus_documents(tokenizer)
+def save_prompts(path: Path, tokenizer, keep: int = KEEP_TOKENS) -> None:
+    families = corpus_documents(tokenizer, keep)
     arrays, ids = {}, {}
     for family, docs in families.items():
         for i, (doc_id, tokens) in enumerate(docs):
-            arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16)
+            top = int(np.max(tokens, initial=0))
+            arrays[f"{family}/{i}"] = np.asarray(tokens, dtype=np.uint16 if top < 1 << 16 else np.uint32)
             ids[f"{family}/{i}"] = doc_id
     np.savez_compressed(path, **arrays, _doc_ids=np.asarray([f"{k}\t{v}" for k, v in ids.items()]))
-    print(f"wrote {path}: {len(arrays)} documents of {', '.join(families)} (first {KEEP_TOKENS} tokens each)")
+    print(f"wrote {path}: {len(arrays)} documents of {', '.join(families)} (first {keep} tokens each)")
 
 
 def load_documents(path: Path | None, tokenizer) -> dict[str, list[tuple[str, np.ndarray]]]:
@@ -175,6 +176,8 @@ def main() -> None:
                         help="also time each phase of the rounds (device events): draft ms per round")
     parser.add_argument("--prompts", type=Path, default=None, help="test windows from --save-prompts")
     parser.add_argument("--save-prompts", type=Path, default=None, help="write the test documents' tokens; exit")
+    parser.add_argument("--keep-tokens", type=int, default=KEEP_TOKENS,
+                        help="--save-prompts: tokens kept per document (a window of context c needs c)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                         help="the draft's KV cache dtype: the model's, or fp8 (e4m3; the target's stays the model's)")
@@ -194,7 +197,7 @@ def main() -> None:
     max_len = max(args.contexts) + args.new_tokens + max(args.gammas) + 8
     target = load_model(args.target, device=device, dtype=dtype, max_positions=max_len)
     if args.save_prompts:
-        save_prompts(args.save_prompts, target.tokenizer)
+        save_prompts(args.save_prompts, target.tokenizer, args.keep_tokens)
         return
     needs = [METHODS[m] for m in args.methods]
     draft = load_model(args.draft, device=device, dtype=dtype, max_positions=max_len, share_with=target.model).model \

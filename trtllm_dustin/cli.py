@@ -163,6 +163,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from trtllm_dustin.models.fetch import add_fetch_command
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
     from trtllm_dustin.models.ring_drafter import DEFAULT_RING
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     add_search_commands(sub, DefaultsHelp)
+    add_fetch_command(sub)
 
     prep = sub.add_parser("prepare-distill-data", help="tokenise train-split windows for draft distillation",
                           formatter_class=DefaultsHelp)
@@ -1121,6 +1123,7 @@ def _repository_models(args: argparse.Namespace
     import torch
 
     from trtllm_dustin.kv_cache import KVCache, check_fits
+    from trtllm_dustin.models.fetch import FETCHABLE
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
     from trtllm_dustin.models.ring_drafter import DEFAULT_RING, ring_weight_bytes
@@ -1161,7 +1164,7 @@ def _repository_models(args: argparse.Namespace
                fix="lower --max-batch, --max-seq-len or --prefix-cache-mib, or serve fewer --method")
 
     def absolute(spec: str | None) -> str | None:
-        named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK, DEFAULT_RING)
+        named = (None, "random", DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_LONGSPARK, DEFAULT_RING, *FETCHABLE)
         return spec if spec in named or spec.startswith("preset:") else str(Path(spec).expanduser().resolve())
 
     return absolute(args.model), absolute(args.draft), absolute(args.longspark), absolute(args.ring), dustin

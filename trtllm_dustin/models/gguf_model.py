@@ -9,7 +9,10 @@ tensors equal what the Hugging Face checkpoint holds; qwen2 files are written un
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -112,13 +115,31 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def hf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, one dequantized at a time."""
+def hf_tensors(gguf: GGUFFile, config: ModelConfig, workers: int | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, in file order.
+
+    Dequantizing is numpy work that releases the GIL, so `workers` threads (None: up to 8, one per core) dequantize
+    the next tensors while the caller copies the current one; at most two per worker are held at once."""
     permuted = _architecture(gguf) in _PERMUTED
-    for name in gguf.tensors:
+
+    def one(name: str) -> tuple[str, torch.Tensor]:
         tensor = gguf.tensor(name)
         if permuted and ".attn_q." in name:
             tensor = _unpermute(tensor, config.num_heads)
         elif permuted and ".attn_k." in name:
             tensor = _unpermute(tensor, config.num_kv_heads)
-        yield hf_name(name), tensor
+        return hf_name(name), tensor
+
+    workers = workers or min(8, os.cpu_count() or 1)
+    if workers == 1:
+        yield from map(one, gguf.tensors)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque = deque()
+        for name in gguf.tensors:
+            pending.append(pool.submit(one, name))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

@@ -26,6 +26,7 @@ from trtllm_dustin.config import HF_HEAD_KEY, ConfigError, ModelConfig
 from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.errors import ModelLoadError
+from trtllm_dustin.models.fetch import FETCHABLE, fetched_path
 from trtllm_dustin.models.packaged import (
     DEFAULT_DRAFT,
     DEFAULT_MODEL,
@@ -356,12 +357,15 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 def open_model(spec: str | None = None, seed: int = 0) -> Checkpoint:
     """Open `spec` without reading its weights: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged
-    draft), "preset:NAME" (random weights from `seed`), a checkpoint directory or a .gguf file."""
+    draft), a fetched model's name (`trtllm-dustin fetch-model`, models/fetch.py), "preset:NAME" (random weights
+    from `seed`), a checkpoint directory or a .gguf file."""
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return _open_gguf(default_gguf_path())
     if spec == DEFAULT_DRAFT:
         return _open_hf_dir(default_draft_path())
+    if spec in FETCHABLE:
+        return _open_gguf(fetched_path(spec))
     if spec.startswith("preset:"):
         return Checkpoint(get_preset(spec.split(":", 1)[1]), None, spec, f"random weights (seed {seed})", None, seed)
     path = Path(os.path.expanduser(spec))
