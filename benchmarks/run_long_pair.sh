@@ -93,12 +93,12 @@ b)
     --methods vanilla classic dustin-ip-sparse-draft --out "$R/e2e_real.json" 2>&1 | grep -vE "^\s*$" | tail -30 \
     || echo "e2e: deadline"
   gunzip -c "$S/qwen_tasks.json.gz" > "$S/qwen_tasks.json"
-  timeout 240 python3 eval_quality.py --target $TARGET --draft $DRAFT --tasks-file "$S/qwen_tasks.json" \
+  timeout 220 python3 eval_quality.py --target $TARGET --draft $DRAFT --tasks-file "$S/qwen_tasks.json" \
     --contexts 32000 16384 --samples 60 --batch-size 20 --tasks needle vt needle-new books code \
     --methods classic dustin-ip-sparse-draft --budgets 2048 4096 --m-sweep --dustin-config "$CONFIG" \
     --out "$R/quality_long_pair.json" 2>&1 | grep -vE "^\s*$" | tail -30 || echo "quality: deadline"
   cd ..
-  LONG_PAIR_PROMPTS="$S/qwen_prompts.npz" LONG_PAIR_REPORT="$R/loader_30k.json" timeout 100 python3 -m pytest -q \
+  LONG_PAIR_PROMPTS="$S/qwen_prompts.npz" LONG_PAIR_REPORT="$R/loader_30k.json" timeout 90 python3 -m pytest -q \
     -p no:cacheprovider -n 0 tests/test_long_pair_gpu.py 2>&1 | tail -5 || echo "loader test: deadline"
   ;;
 *)
