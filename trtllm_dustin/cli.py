@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from trtllm_dustin.paths import Output, check_output, check_paths
 from trtllm_dustin.validation import (
     DEFAULT_PREFILL_BUDGET,
     MAX_GAMMA,
@@ -45,6 +46,7 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
+DEFAULT_GAMMA = 3  # generate's draft tokens per round without an engine (an engine's: the gamma it was built with)
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of --dtype
 _DRAFT_WEIGHTS_HELP = ("the draft model's layers (and the ring drafter's layers and head): model (its dtype) or int8 "
                        "(weight-only, one scale per output row: half the bytes a draft step reads; tau within about "
@@ -134,7 +136,8 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory from "
                      "`train-ring-drafter`, or random (random weights, for presets) (default with the default model: "
                      f"the packaged {default_ring})")
-    gen.add_argument("--gamma", type=int, default=3, help=f"draft tokens per speculative round, 1..{MAX_GAMMA}")
+    gen.add_argument("--gamma", type=int, default=None, help=f"draft tokens per speculative round, 1..{MAX_GAMMA} "
+                     f"(default: {DEFAULT_GAMMA}; with --engine, the engine's)")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget; "
                      "streamingllm, snapkv, quest without a Dustin config: their k")
     gen.add_argument("--draft-kv-cache", choices=draft_kv_choices, default="model",
@@ -249,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                       f"or random (default with the default model: the packaged {DEFAULT_LONGSPARK})")
     repo.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory, or random "
                       f"(default with the default model: the packaged {DEFAULT_RING})")
-    repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    repo.add_argument("--gamma", type=int, default=None, help=f"draft tokens per speculative round (default: "
+                      f"{DEFAULT_GAMMA}; with --engine, the engine's)")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                       help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads)")
@@ -273,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free port)")
     serve.add_argument("--server-dir", type=Path, default=Path.home() / ".cache" / "trtllm-dustin" / "tritonserver",
                        help="where nvidia-pytriton's server is prepared (once) with this Python's backend stub")
-    serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log beside the repo")
+    serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log in the repository "
+                       "(Triton loads its directories only)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
     serve.add_argument("--drain", type=float, default=10.0,
                        help="at Ctrl-C / SIGTERM: seconds the running requests get to finish before they are cut "
@@ -407,9 +412,6 @@ def _regenerate_data(args: argparse.Namespace) -> int:
 
     context = args.context
     if context is None:
-        if not args.tokens.is_file():
-            raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin "
-                              f"prepare-distill-data --out {args.tokens}`")
         length = np.load(args.tokens, mmap_mode="r").shape[-1]
         if length <= args.new:
             raise ConfigError(f"--new {args.new} leaves no context in {args.tokens}'s {length}-token windows; lower "
@@ -437,15 +439,6 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_tokens(args: argparse.Namespace) -> None:
-    """A training command's --tokens file exists (before anything loads)."""
-    from trtllm_dustin.config import ConfigError
-
-    if not args.tokens.is_file():
-        raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
-                          f"--out {args.tokens} --seq-len {args.seq_len}`")
-
-
 def _layer_list(text: str, option: str) -> tuple[int, ...]:
     """'0,10,20' -> (0, 10, 20), or a ConfigError naming the option."""
     from trtllm_dustin.config import ConfigError
@@ -460,7 +453,6 @@ def _train_longspark(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
 
     device = args.device or _default_device()
-    _check_tokens(args)
     cfg = LongSparkTrainConfig(target_layers=_layer_list(args.target_layers, "--target-layers"), window=args.window,
                                summary=args.summary, block=args.block,
                                lora_rank=args.lora_rank, fuse_rank=args.fuse_rank, markov_rank=args.markov_rank,
@@ -479,7 +471,6 @@ def _train_ring_drafter(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.ring_drafter import RingTrainConfig, train_ring_drafter
 
     device = args.device or _default_device()
-    _check_tokens(args)
     cfg = RingTrainConfig(read_layers=_layer_list(args.read_layers, "--read-layers"),
                           own_layers=_layer_list(args.own_layers, "--own-layers"), window=args.window, block=args.block,
                           causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -621,7 +612,8 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     limits = engine.manifest.limits
     if args.dtype is not None and args.dtype != limits.dtype:
         raise EngineError(f"--dtype {args.dtype}: the engine's weights are {limits.dtype}; drop --dtype or rebuild")
-    for name, asked, limit in (("batch-size", args.batch_size, limits.max_batch), ("gamma", args.gamma, limits.gamma),
+    for name, asked, limit in (("batch-size", args.batch_size, limits.max_batch),
+                               ("gamma", args.gamma or 0, limits.gamma),
                                ("max-seq-len", args.max_seq_len or 0, limits.max_seq_len)):
         if asked > limit:
             raise EngineError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
@@ -634,10 +626,16 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     args.draft_kv_cache, args.draft_weights = limits.draft_kv_cache, limits.draft_weights
     print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
           f"files' sha256, fingerprints; limits batch {limits.max_batch} x {limits.max_seq_len} tokens, gamma "
-          f"{limits.gamma}; tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
-          f"{engine.manifest.tactics_gpu})", flush=True)
+          f"{limits.gamma}; " + (f"kernel tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
+                                 f"{engine.manifest.tactics_gpu}" if device.type == "cuda" else
+                                 "no kernel tactics on cpu: the PyTorch reference path") + ")", flush=True)
     for note in engine.notes:
         print(note, flush=True)
+    given, args.gamma = args.gamma is not None, args.gamma or limits.gamma
+    if method.speculative:
+        print(f"{args.method}: gamma {args.gamma} draft tokens per round" + (
+            f" (--gamma; the engine takes up to {limits.gamma})" if given else
+            " (the engine's, built with --gamma; pass --gamma N for fewer)"), flush=True)
     return engine
 
 
@@ -647,7 +645,7 @@ def _open(role: str, spec: str | None, seed: int, engine: OpenedEngine | None = 
 
     start = time.perf_counter()
     checkpoint = (engine.target if role == "target" else engine.draft) if engine is not None else \
-        open_model(spec, seed)
+        open_model(spec, seed, "--model" if role == "target" else f"--{role}")
     c = checkpoint.config
     print(f"{role}: {c.name}, {c.num_layers} layers x {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, vocab "
           f"{c.vocab_size}, {c.max_position_embeddings} positions, {c.num_parameters() / 1e6:.0f} M parameters; "
@@ -678,12 +676,13 @@ def _draft_weights(draft: Transformer, kind: str) -> Transformer:
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
                   kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype,
-                  shares: list[float] | None = None, sparse_k: int | None = None, drafter_bytes: int = 0) -> int:
+                  shares: list[float] | None = None, sparse_k: int | None = None, drafter_bytes: int = 0,
+                  engine_seq_len: int | None = None) -> int:
     """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
     each model's positions, --budget against the cache, and the weights + caches (+ the sparse verification's gather
     at k, `sparse_k`, for a sparse method) against the device's free memory (shares: the fraction of each model this
     process holds, a pipeline stage's; default all; drafter_bytes: a ring drafter's own weights, counted with the
-    weights). Returns the cache length."""
+    weights; engine_seq_len: the cache length an engine was built for). Returns the cache length."""
     from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
     from trtllm_dustin.runtime.generation import check_lengths
 
@@ -691,16 +690,19 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
     max_seq_len = args.max_seq_len or need
     if lookahead:  # a speculative round writes gamma positions ahead: the cache grows to hold them
         max_seq_len = max(max_seq_len, need)
+    if max_seq_len == args.max_seq_len:
+        asked, fix = f"--max-seq-len {max_seq_len}", "lower it"
+    else:
+        asked = f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens}" + \
+            (f" + gamma {lookahead}" if lookahead else "") + f" = {max_seq_len}"
+        fix = "shorten the prompt or lower --max-new-tokens"
     for role, checkpoint in models:
         positions = checkpoint.config.max_position_embeddings
         if max_seq_len > positions:
-            if max_seq_len == args.max_seq_len:
-                asked, fix = f"--max-seq-len {max_seq_len}", "lower it"
-            else:
-                asked = f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens}" + \
-                    (f" + gamma {lookahead}" if lookahead else "") + f" = {max_seq_len}"
-                fix = "shorten the prompt or lower --max-new-tokens"
             raise ValueError(f"{asked} exceeds the {role}'s {positions} positions ({checkpoint.config.name}); {fix}")
+    if engine_seq_len is not None and max_seq_len > engine_seq_len:
+        raise ValueError(f"{asked} exceeds the {engine_seq_len} positions the engine was built for; {fix}, or "
+                         f"rebuild the engine with --max-seq-len {max_seq_len}")
     check_lengths([prompt] * args.batch_size, args.batch_size, max_seq_len, args.max_new_tokens, lookahead)
     if sparse_k is not None and args.budget is not None:
         check_budget(args.budget, max_seq_len)
@@ -761,6 +763,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     # ---- open every model (configs, tokenizer) and check every limit; no weight is read yet
     engine = _open_engine(args, device, method) if args.engine is not None else None
+    if args.gamma is None:
+        args.gamma = DEFAULT_GAMMA
     if engine is not None:
         dtype = engine.manifest.limits.torch_dtype
     target = _open("target", args.model, args.seed, engine)
@@ -774,7 +778,8 @@ def _generate(args: argparse.Namespace) -> int:
     max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype,
                                 sparse_k=_sparse_k(args, method, dustin),
                                 drafter_bytes=ring_weight_bytes(args.ring, target.config, dtype.itemsize)
-                                if method.needs_ring else 0)
+                                if method.needs_ring else 0,
+                                engine_seq_len=engine.manifest.limits.max_seq_len if engine is not None else None)
 
     # ---- load the weights
     loaded = _load("target", target, device, dtype)
@@ -877,7 +882,8 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
                 shares.append(1.0 if group.first else 0.0)
             lookahead = args.gamma if method.speculative else 0
             max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype, shares,
-                                        sparse_k=_sparse_k(args, method, dustin))
+                                        sparse_k=_sparse_k(args, method, dustin),
+                                        engine_seq_len=engine.manifest.limits.max_seq_len)
         except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
             engine, error = None, str(e)
         facts = {} if engine is None else {
@@ -911,9 +917,21 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
 
 
 def _triton_repo(args: argparse.Namespace) -> int:
+    from trtllm_dustin.runtime.methods import METHODS
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
-    if args.engine is None:  # the models, drafter, Dustin config, device and limits, as `generate` checks them
+    def check_smallest_request() -> None:
+        lookahead = args.gamma if any(METHODS[m].speculative for m in args.method) else 0
+        smallest = 2 + lookahead  # one prompt token, one new token, a round's drafts
+        if args.max_seq_len < smallest:
+            raise InputError(f"--max-seq-len {args.max_seq_len} holds no request: the smallest (1 prompt token + 1 "
+                             "new token" + (f" + gamma {lookahead} kept free for a round's drafts" if lookahead else "")
+                             + f") takes {smallest}; raise it to >= {smallest}")
+
+    check_drafter_options(args, args.method, METHODS)
+    if args.engine is None:
+        args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
+        check_smallest_request()  # the models, drafter, Dustin config, device and limits, as `generate` checks them
         args.model, args.draft, args.longspark, args.ring, dustin = _repository_models(args)
     else:  # checked now, not first when the server loads the model
         from trtllm_dustin.build_engines.engine import check_serves, open_engine
@@ -925,9 +943,14 @@ def _triton_repo(args: argparse.Namespace) -> int:
         opened = open_engine(args.engine, device=args.device, serving=True)
         check_serves(opened, args.method)
         limits = opened.manifest.limits
-        if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
-            raise ValueError(f"--max-batch {args.max_batch} / --max-seq-len {args.max_seq_len} exceed the engine's "
-                             f"{limits.max_batch} / {limits.max_seq_len}; lower them or rebuild the engine")
+        for name, asked, limit in (("max-batch", args.max_batch, limits.max_batch),
+                                   ("max-seq-len", args.max_seq_len, limits.max_seq_len),
+                                   ("gamma", args.gamma or 0, limits.gamma)):
+            if asked > limit:
+                raise ValueError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
+                                 f"--{name} {asked}")
+        args.gamma = limits.gamma if args.gamma is None else args.gamma  # the engine's unless --gamma lowers it
+        check_smallest_request()
     config = ServingConfig(
         engine=str(args.engine.resolve()) if args.engine is not None else None,
         model=args.model, draft=args.draft, longspark=args.longspark, ring=args.ring, methods=tuple(args.method),
@@ -949,16 +972,37 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from trtllm_dustin.serving.launch import DRAIN_MARGIN_S, ServerError, TritonServer, prepare_pytriton_server
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.launch import (
+        DRAIN_MARGIN_S,
+        ServerError,
+        TritonServer,
+        check_endpoints,
+        prepare_pytriton_server,
+    )
 
-    models = sorted(p.parent.parent.name for p in args.repo.glob("*/1/serving_config.json"))
+    configs = sorted(args.repo.glob("*/1/serving_config.json"))
+    models = [p.parent.parent.name for p in configs]
     if not models:
         raise ValueError(f"--repo {args.repo} holds no model written by `trtllm-dustin triton-repo`; write one with "
                          f"`trtllm-dustin triton-repo --out {args.repo}`")
+    broken = []
+    for path in configs:  # read as the server's model reads it: a repository none of whose models can load is refused
+        try:
+            ServingConfig.load(path)
+        except (ConfigError, OSError, UnicodeDecodeError) as e:
+            broken.append(str(e) if isinstance(e, ConfigError) else f"serving config {path} cannot be read ({e}); "
+                          "regenerate the repository with `trtllm-dustin triton-repo`")
+    if len(broken) == len(configs):
+        raise ConfigError(broken[0])
+    check_endpoints(args.address, args.http_port, args.grpc_port)
+    log = args.log or args.repo.resolve() / "serve.log"  # Triton loads the repository's directories only
+    if args.log is None:
+        check_output("--log", log, Output(directory=False))
     if not (args.server_dir / "bin" / "tritonserver").is_file():
         print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
         prepare_pytriton_server(args.server_dir)
-    log = args.log or args.repo.resolve().parent / "serve.log"
     server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
                           http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True,
                           exit_timeout_s=args.drain + DRAIN_MARGIN_S,
@@ -981,8 +1025,9 @@ def _serve(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     if not ready:
         server.stop()
-        print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
-              file=sys.stderr)
+        if len(states) > 1:
+            print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
+                  file=sys.stderr)
         return 1
     print(f"ready: {', '.join(ready)} on HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: "
           "docs/serving.md); Ctrl-C stops it", flush=True)
@@ -1054,7 +1099,8 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         raise ConfigError(f"methods {needing} need --dustin-config FILE (SRH heads, budget, m); write one for this "
                           "target/draft pair with `trtllm-dustin search`")
     if dustin is not None:
-        dustin.check_models(target.config, draft.config if draft is not None else None)
+        dustin.check_models(target.config, draft.config if draft is not None else None,
+                            f"Dustin config {args.dustin_config}")
         if getattr(args, "budget", None) is not None:
             dustin = dustin.with_budget(args.budget)
         selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
@@ -1186,6 +1232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_options(args)  # every numeric option of every command, before anything is opened or loaded
+        check_paths(args.command, args)  # every file read exists, every output can be written
         return args.func(args)
     except (ValueError, ConfigError, ModelLoadError, MemoryPlanError, PipelineError) as e:
         print(f"trtllm-dustin: error: {e}", file=sys.stderr)
