@@ -345,8 +345,9 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
         raise
     if log is not None:
         log(f"built {out}: {tc.name}" + (f" + {draft_ckpt.config.name}" if draft_ckpt else "") +
-            f", pp {pp_size} (layers {layers}), {len(manifest.files)} files, tactics "
-            f"{'tuned on' if tune else 'packaged for'} {gpu}")
+            f", pp {pp_size} (layers {layers}), {len(manifest.files)} files, GPU kernel tactics "
+            f"{'tuned on' if tune else 'packaged for'} {gpu}"
+            + ("" if torch.cuda.is_available() else " (read on a GPU only; a CPU runs the PyTorch reference)"))
     return out
 
 

@@ -155,7 +155,8 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", "dustin-h",
            "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4", "--max-seq-len", "128"]
     assert main(run + ["--budget", "100"]) == 0
-    assert "(budget k 100, m 40;" in capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
+    assert "(budget k 100 cached positions per verification, m 40 of them chosen by the draft's attention;" in \
+        capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
     assert main(run + ["--budget", "20"]) == 2
     captured = capsys.readouterr()
     assert "--budget 20 must exceed sinks + recent window = 20; raise it" in captured.err

@@ -564,9 +564,13 @@ def _loading_line(args: argparse.Namespace) -> str:
     from trtllm_dustin.models.packaged import DEFAULT_MODEL, default_gguf_path
 
     device = args.device or _default_device()
-    what = args.model
+    what, dtype = args.model, _dtype_name(args.dtype, device)
     if getattr(args, "engine", None) is not None:
         what = f"the engine {args.engine}"
+        try:  # its weights' dtype, which it runs in (opening it checks the manifest, and refuses another --dtype)
+            dtype = args.dtype or json.loads((args.engine / "manifest.json").read_text())["limits"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            dtype = args.dtype or "the engine's dtype"
     elif args.model in (None, DEFAULT_MODEL):
         try:
             what = f"SmolLM2-135M-Instruct (the default model) from {default_gguf_path()}"
@@ -574,7 +578,7 @@ def _loading_line(args: argparse.Namespace) -> str:
             what = "SmolLM2-135M-Instruct (the default model)"
     elif args.model.startswith("preset:"):
         what = f"{args.model} (random weights)"
-    return f"trtllm-dustin generate: loading {what} onto {device} ({_dtype_name(args.dtype, device)})"
+    return f"trtllm-dustin generate: loading {what} onto {device} ({dtype})"
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -821,10 +825,14 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
         f", then {result.setup_ms:.1f} ms of one-time setup (CUDA-graph capture, kernel warm-up)"
     print(f"time to first token {result.prefill_ms:.1f} ms (prefill){setup}")
     idle = result.rounds - result.decoding_rounds  # GPU only: rounds until the finished flag reached the host
-    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
-          f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the host, "
-                                             f"{result.decode_ms:.1f} ms in all)" if idle else ")"))
-    if speculative:
+    if result.generated == len(result.tokens):  # every sequence ended at the token the prefill wrote
+        print(f"decode: no {steps} ran (every sequence ended at its first token, which the prefill writes: an "
+              "end-of-sequence token or --max-new-tokens 1)")
+    else:
+        print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
+              f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the "
+                                                 f"host, {result.decode_ms:.1f} ms in all)" if idle else ")"))
+    if speculative and sum(result.committed_hist):
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
     if result.phase_ms:
@@ -1105,7 +1113,8 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
             dustin = dustin.with_budget(args.budget)
         selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
         window = f", score window {dustin.score_window} ({dustin.score_window_op})" if dustin.score_window > 1 else ""
-        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}"
+        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget} cached positions per verification, "
+              f"m {dustin.m} of them chosen by the draft's attention"
               + (f"; in-pass selection layers {selection}{window}" if selection else "") + "; fingerprints match)",
               flush=True)
     _baseline_budgets(args, methods, dustin)
