@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from trtllm_dustin.paths import Output, check_output, check_paths
+from trtllm_dustin.paths import OUTPUTS, check_output, check_paths
 from trtllm_dustin.validation import (
     DEFAULT_PREFILL_BUDGET,
     MAX_GAMMA,
@@ -429,7 +429,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.distill import DistillConfig, train_draft
 
     device = args.device or _default_device()
-    layers = tuple(int(i) for i in args.init_layers.split(",") if i.strip())
+    layers = _layer_list(args.init_layers, "--init-layers")
     cfg = DistillConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                         seed=args.seed, warmup=min(100, args.steps // 10), init_layers=layers,
                         head_vocab=args.head_vocab if layers else 0, draft_shape=args.draft_shape)
@@ -1007,7 +1007,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_endpoints(args.address, args.http_port, args.grpc_port)
     log = args.log or args.repo.resolve() / "serve.log"  # Triton loads the repository's directories only
     if args.log is None:
-        check_output("--log", log, Output(directory=False))
+        check_output("--log", log, OUTPUTS["serve"]["log"])
     if not (args.server_dir / "bin" / "tritonserver").is_file():
         print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
         prepare_pytriton_server(args.server_dir)

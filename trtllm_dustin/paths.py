@@ -2,7 +2,7 @@
 right kind, every output can be written where it is named. Standard library only, so that `generate` runs these
 checks before torch is imported, as validation.py's option checks.
 
-    check_paths(command, args)   the inputs and outputs of `command` (its table entries below), one line each
+    check_paths(command, args)   the inputs, outputs and model paths of `command` (its table entries below)
 
 An output is probed by creating (and removing) a scratch directory in the deepest directory of its path that
 exists, so a path under a read-only or virtual file system (/proc), or under a regular file, is refused before any
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from trtllm_dustin.validation import InputError
 
-__all__ = ["INPUTS", "OUTPUTS", "Input", "Output", "check_input", "check_output", "check_paths"]
+__all__ = ["INPUTS", "MODELS", "OUTPUTS", "Input", "Output", "check_input", "check_model_path", "check_output",
+           "check_paths"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Output:
     directory: bool
     suffix: str = ""
     must_not_exist: bool = False  # a directory the command creates, refused when it exists (unless --force)
+    example: str = "out"  # a file's name, for the message that asks for one
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Input:
     make: str = ""  # how to write a missing one ({path}: the path given), when a command does
 
 
-_DIR, _FILE, _NPY = Output(directory=True), Output(directory=False), Output(directory=False, suffix=".npy")
+_DIR, _JSON, _NPY = Output(directory=True), Output(directory=False, example="out.json"), \
+    Output(directory=False, suffix=".npy", example="tokens.npy")
 _TOKENS = Input(directory=False, what="the .npy file of token windows `trtllm-dustin prepare-distill-data --out "
                 "FILE.npy` writes", token_file=True, make="write it with `trtllm-dustin prepare-distill-data --out "
                 "{path}`")
@@ -52,14 +55,15 @@ _ENGINE = Input(directory=True, what="an engine directory `trtllm-dustin build -
 OUTPUTS: dict[str, dict[str, Output]] = {
     "build": {"out": Output(directory=True, must_not_exist=True)},
     "triton-repo": {"out": _DIR},
-    "serve": {"log": Output(directory=False)},
+    "serve": {"log": Output(directory=False, example="serve.log")},
     "prepare-distill-data": {"out": _NPY},
     "regenerate-data": {"out": _NPY},
     "train-draft": {"out": _DIR}, "train-longspark": {"out": _DIR}, "train-ring-drafter": {"out": _DIR},
-    "srh": {"out": _FILE},
+    "srh": {"out": _JSON},
     "arr": {"out_dir": _DIR},
-    "search": {"out": _FILE, "record": _FILE, "work_dir": _DIR, "plots": _DIR},
-    "search-layers": {"out": _FILE, "record": _FILE, "save_windows": Output(directory=False, suffix=".npz")},
+    "search": {"out": _JSON, "record": _JSON, "work_dir": _DIR, "plots": _DIR},
+    "search-layers": {"out": _JSON, "record": _JSON, "save_windows": Output(directory=False, suffix=".npz",
+                                                                                   example="windows.npz")},
 }
 # command -> {argparse dest: what it reads}
 INPUTS: dict[str, dict[str, Input]] = {
@@ -78,9 +82,22 @@ INPUTS: dict[str, dict[str, Input]] = {
 }
 
 
+# command -> argparse dests that name a model: the default, a packaged one, preset:NAME, a directory or a .gguf file
+MODELS: dict[str, tuple[str, ...]] = {
+    "generate": ("model", "draft"), "build": ("model", "draft"), "triton-repo": ("model", "draft"),
+    "regenerate-data": ("target",), "train-draft": ("target",), "train-longspark": ("target",),
+    "train-ring-drafter": ("target",), "srh": ("model", "tokenizer_from"), "arr": ("target", "draft"),
+    "search": ("target", "draft"), "search-layers": ("target",),
+}
+
+
 def check_paths(command: str, args: Namespace) -> None:
-    """Every input and output path of `command` that was given (None: not used, or a default decided later)."""
+    """Every input and output path of `command` that was given (None: not used, or a default decided later), and
+    every model named by a path."""
     values = vars(args)
+    for dest in MODELS.get(command, ()):
+        if values.get(dest) is not None:
+            check_model_path(_option(dest), values[dest])
     for dest, kind in INPUTS.get(command, {}).items():
         if values.get(dest) is not None:
             check_input(_option(dest), Path(values[dest]), kind)
@@ -91,6 +108,20 @@ def check_paths(command: str, args: Namespace) -> None:
 
 def _option(dest: str) -> str:
     return f"--{dest.replace('_', '-')}"
+
+
+def check_model_path(option: str, spec: str) -> None:
+    """A model named by a path exists as a checkpoint directory or a .gguf file (names and presets: open_model)."""
+    from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    if spec in (DEFAULT_MODEL, DEFAULT_DRAFT) or spec.startswith("preset:"):
+        return
+    path = Path(spec).expanduser()
+    forms = "pass a checkpoint directory, a .gguf file or preset:NAME"
+    if not path.exists():
+        raise InputError(f"{option} {spec} does not exist; {forms}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise InputError(f"{option} {spec} is a {path.suffix or 'suffix-less'} file, not a model; {forms}")
 
 
 def check_input(option: str, path: Path, kind: Input) -> None:
@@ -133,7 +164,7 @@ def check_output(option: str, path: Path, kind: Output, force: bool = False) -> 
             raise InputError(f"{shown} exists; choose another directory or pass --force to replace it")
     else:
         if path.is_dir():
-            example = path / f"out{kind.suffix or '.log'}"
+            example = path / kind.example
             raise InputError(f"{shown} is a directory, not a file; pass a file path, e.g. {example}")
         if kind.suffix and path.suffix != kind.suffix:
             raise InputError(f"{shown} does not end in {kind.suffix}; name the file {path.name}{kind.suffix} (it is "
