@@ -121,7 +121,7 @@ def check_model_path(option: str, spec: str) -> None:
     if not path.exists():
         raise InputError(f"{option} {spec} does not exist; {forms}")
     if path.is_file() and path.suffix != ".gguf":
-        raise InputError(f"{option} {spec} is a {path.suffix or 'suffix-less'} file, not a model; {forms}")
+        raise InputError(f"{option} {spec} is a file but not a .gguf one; {forms}")
 
 
 def check_input(option: str, path: Path, kind: Input) -> None:
