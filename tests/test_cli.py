@@ -172,14 +172,15 @@ def test_a_score_window_is_said_beside_the_selection_layer(capsys, tmp_path, plu
     config = tmp_path / "dustin.json"
     DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60, m=20,
                  selection_layers=(LayerHeads(1, (0, 4)),), score_window=7, score_window_op="max").save(config)
-    run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--prompt-tokens", "90",
-           "--max-new-tokens", "6", "--max-seq-len", "128"]
-    assert main([*run, "--method", "dustin-ip", "--dustin-config", str(config)]) == 0
+    run = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "90", "--max-new-tokens", "6",
+           "--max-seq-len", "128"]
+    pair = [*run, "--draft", "preset:tiny-llama-draft"]
+    assert main([*pair, "--method", "dustin-ip", "--dustin-config", str(config)]) == 0
     assert "in-pass selection layers 1 (2 heads), score window 7 (max);" in capsys.readouterr().out
     texts = {}
-    for name, extra in (("vanilla", ["--method", "vanilla"]),
-                        ("full-k", ["--method", "dustin-ip", "--dustin-config", str(config), "--budget", "120"])):
-        assert main([*run, *extra]) == 0
+    for name, argv in (("vanilla", [*run, "--method", "vanilla"]),  # no draft: vanilla would refuse one
+                       ("full-k", [*pair, "--method", "dustin-ip", "--dustin-config", str(config), "--budget", "120"])):
+        assert main(argv) == 0
         out = capsys.readouterr().out
         texts[name] = [line for line in out.splitlines() if line.startswith("[0] ")]
     assert texts["full-k"] == texts["vanilla"] and texts["vanilla"]
