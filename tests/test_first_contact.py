@@ -94,6 +94,12 @@ NEW = [
      "prompt"),
     (["generate", "--prompt-file", "binary.txt"], "--prompt-file binary.txt is not UTF-8 text (byte 0xff at offset "
      "0); pass a text file"),
+    (["generate", "--method", "classic", "--dustin-config", "sel99.json"], "--dustin-config sel99.json: --method "
+     "classic verifies against the whole cache and reads no Dustin config, so it would change nothing; drop it, or "
+     "choose a sparse method ({*})"),
+    (["triton-repo", "--out", "r", *TINY, "--dustin-config", "sel99.json"], "--dustin-config sel99.json: --method "
+     "vanilla verifies against the whole cache and reads no Dustin config, so it would change nothing; drop it, or "
+     "choose a sparse method ({*})"),
     (["generate", "--engine", "afile"], "--engine afile is a file, not a directory; pass an engine directory "
      "`trtllm-dustin build --out DIR` writes"),
     (["generate", "--engine", "eng", "--gamma", "9"], "--gamma 9 exceeds the engine's 7; lower it or rebuild the "

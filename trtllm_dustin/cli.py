@@ -28,6 +28,7 @@ from trtllm_dustin.validation import (
     InputError,
     check_budget,
     check_drafter_options,
+    check_dustin_config_used,
     check_generate_options,
     check_options,
     method_facts,
@@ -937,6 +938,7 @@ def _triton_repo(args: argparse.Namespace) -> int:
                              + f") takes {smallest}; raise it to >= {smallest}")
 
     check_drafter_options(args, args.method, METHODS)
+    check_dustin_config_used(args, args.method, METHODS)
     if args.engine is None:
         args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
         check_smallest_request()  # the models, drafter, Dustin config, device and limits, as `generate` checks them

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from trtllm_dustin.errors import ConfigError
 
 __all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError",
-           "MethodFacts", "Range", "Terms", "check_budget", "check_device", "check_drafter_options", "check_fields",
+           "MethodFacts", "Range", "Terms", "check_budget", "check_device", "check_drafter_options", "check_dustin_config_used", "check_fields",
            "check_generate_options", "check_options", "check_prompt",
            "check_request_length", "check_value", "load_versioned", "method_facts", "read_json_object",
            "read_versioned", "sparse_gather_bytes", "versioned_json"]
@@ -208,6 +208,9 @@ DRAFTER_OPTIONS = {"draft": ("needs_draft", "draft model"), "longspark": ("needs
 def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
     """`generate`'s options on their own, before any model is opened: what the method takes, the prompt file, then
     every range. facts: method_facts() (None: the method-specific checks wait for the registry)."""
+    from trtllm_dustin.paths import check_paths  # it imports this module
+
+    check_paths("generate", args)  # a path that is missing or of the wrong kind first: nothing else can be said of it
     method = facts.get(args.method) if facts else None
     if method is not None and args.budget is not None and not method.sparse:
         sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
@@ -227,10 +230,8 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
                                  f"nothing; drop --{option}, or choose a method that drafts with one ({drafting})")
     if facts is not None:
         check_drafter_options(args, [args.method], facts)
+        check_dustin_config_used(args, [args.method], facts)
     check_options(args)
-    from trtllm_dustin.paths import check_paths  # it imports this module
-
-    check_paths("generate", args)
     check_prompt(args)
 
 
@@ -262,6 +263,16 @@ def check_drafter_options(args: Namespace, methods: Sequence[str], facts: Mappin
             chosen = f"--method {methods[0]}" if len(methods) == 1 else f"methods {', '.join(methods)}"
             raise InputError(f"--{option} {value}: {chosen} drafts with no {what}, so it would change nothing; drop "
                              f"--{option}, or choose a method that drafts with one ({using})")
+
+
+def check_dustin_config_used(args: Namespace, methods: Sequence[str], facts: Mapping[str, Any]) -> None:
+    """--dustin-config is read by the sparse methods only (its heads, or its k for the baselines): given with none of
+    them it would change nothing, and is refused."""
+    if getattr(args, "dustin_config", None) is not None and not any(facts[m].sparse for m in methods):
+        sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
+        chosen = f"--method {methods[0]}" if len(methods) == 1 else f"methods {', '.join(methods)}"
+        raise InputError(f"--dustin-config {args.dustin_config}: {chosen} verifies against the whole cache and reads "
+                         f"no Dustin config, so it would change nothing; drop it, or choose a sparse method ({sparse})")
 
 
 def check_request_length(field: str, prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int) -> None:
