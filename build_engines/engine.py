@@ -221,25 +221,41 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
                           "without --tune to record the packaged defaults")
     # ---- every check before a weight is read
     target_ckpt = open_model(target, seed)
-    draft_ckpt = open_model(draft, seed + 1) if draft is not None else None
+    draft_ckpt = open_model(draft, seed + 1, "--draft") if draft is not None else None
     tc = target_ckpt.config
     layers = layer_split(tc.num_layers, pp_size, first_stage_layers)
     if limits.max_seq_len > tc.max_position_embeddings:
         raise EngineError(f"--max-seq-len {limits.max_seq_len} exceeds the target's {tc.max_position_embeddings} "
                           "positions; lower it")
     if dustin is not None:
-        dustin.check_models(tc, draft_ckpt.config if draft_ckpt is not None else None)
+        dustin.check_models(tc, draft_ckpt.config if draft_ckpt is not None else None, "the --dustin-config")
         if limits.budget is not None and limits.budget != dustin.budget:
             dustin = dustin.with_budget(limits.budget)  # m scaled to the same share of the free slots
     spark_config = longspark_config(longspark) if longspark is not None else None
     if spark_config is not None:
         spark_config.check_target(tc)
+    if longspark is not None:
+        from trtllm_dustin.models.longspark import LongSparkConfig
+
+        block = (spark_config or LongSparkConfig(target_layers=(0,))).block  # "random": the default shape
+        if limits.gamma > block:
+            raise EngineError(f"--gamma {limits.gamma} exceeds the {block} tokens this LongSpark drafter proposes per "
+                              f"round (its block); lower --gamma to <= {block}")
+    drafting = draft is not None or longspark is not None or ring is not None
+    smallest = 2 + (limits.gamma if drafting else 0)  # one prompt token, one new token, a round's drafts
+    if limits.max_seq_len < smallest:
+        raise EngineError(f"--max-seq-len {limits.max_seq_len} holds no request: the smallest (1 prompt token + 1 new "
+                          "token" + (f" + gamma {limits.gamma} kept free for a round's drafts" if drafting else "")
+                          + f") takes {smallest}; raise it to >= {smallest}")
     if ring is not None:
         if pp_size > 1:
             raise EngineError(f"--ring with --pp-size {pp_size}: the ring methods run in one process (the ring drafter "
                               "is fed the hidden states of target layers that other stages hold); build the ring "
                               "drafter into a --pp-size 1 engine")
         ring_shape = ring_config(ring, tc)  # checked against the target
+        if limits.gamma > ring_shape.block:
+            raise EngineError(f"--gamma {limits.gamma} exceeds the {ring_shape.block} tokens this ring drafter "
+                              f"proposes per round; lower --gamma to <= {ring_shape.block}")
 
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -329,8 +345,9 @@ def build_engine(out: str | Path, *, target: str | None = None, draft: str | Non
         raise
     if log is not None:
         log(f"built {out}: {tc.name}" + (f" + {draft_ckpt.config.name}" if draft_ckpt else "") +
-            f", pp {pp_size} (layers {layers}), {len(manifest.files)} files, tactics "
-            f"{'tuned on' if tune else 'packaged for'} {gpu}")
+            f", pp {pp_size} (layers {layers}), {len(manifest.files)} files, GPU kernel tactics "
+            f"{'tuned on' if tune else 'packaged for'} {gpu}"
+            + ("" if torch.cuda.is_available() else " (read on a GPU only; a CPU runs the PyTorch reference)"))
     return out
 
 

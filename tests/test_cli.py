@@ -155,7 +155,8 @@ def test_budget_runs_dustin_at_another_k_with_m_scaled(capsys, tmp_path, plugin_
     run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--method", "dustin-h",
            "--dustin-config", str(config), "--prompt-tokens", "50", "--max-new-tokens", "4", "--max-seq-len", "128"]
     assert main(run + ["--budget", "100"]) == 0
-    assert "(budget k 100, m 40;" in capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
+    assert "(budget k 100 cached positions per verification, m 40 of them chosen by the draft's attention;" in \
+        capsys.readouterr().out  # 20 of 40 free slots -> 40 of 80
     assert main(run + ["--budget", "20"]) == 2
     captured = capsys.readouterr()
     assert "--budget 20 must exceed sinks + recent window = 20; raise it" in captured.err
@@ -171,14 +172,15 @@ def test_a_score_window_is_said_beside_the_selection_layer(capsys, tmp_path, plu
     config = tmp_path / "dustin.json"
     DustinConfig(target_layers=(LayerHeads(1, (0, 4)),), draft_layers=(LayerHeads(1, (2, 3)),), budget=60, m=20,
                  selection_layers=(LayerHeads(1, (0, 4)),), score_window=7, score_window_op="max").save(config)
-    run = ["generate", "--model", "preset:tiny-llama", "--draft", "preset:tiny-llama-draft", "--prompt-tokens", "90",
-           "--max-new-tokens", "6", "--max-seq-len", "128"]
-    assert main([*run, "--method", "dustin-ip", "--dustin-config", str(config)]) == 0
+    run = ["generate", "--model", "preset:tiny-llama", "--prompt-tokens", "90", "--max-new-tokens", "6",
+           "--max-seq-len", "128"]
+    pair = [*run, "--draft", "preset:tiny-llama-draft"]
+    assert main([*pair, "--method", "dustin-ip", "--dustin-config", str(config)]) == 0
     assert "in-pass selection layers 1 (2 heads), score window 7 (max);" in capsys.readouterr().out
     texts = {}
-    for name, extra in (("vanilla", ["--method", "vanilla"]),
-                        ("full-k", ["--method", "dustin-ip", "--dustin-config", str(config), "--budget", "120"])):
-        assert main([*run, *extra]) == 0
+    for name, argv in (("vanilla", [*run, "--method", "vanilla"]),  # no draft: vanilla would refuse one
+                       ("full-k", [*pair, "--method", "dustin-ip", "--dustin-config", str(config), "--budget", "120"])):
+        assert main(argv) == 0
         out = capsys.readouterr().out
         texts[name] = [line for line in out.splitlines() if line.startswith("[0] ")]
     assert texts["full-k"] == texts["vanilla"] and texts["vanilla"]

@@ -22,7 +22,7 @@ def written(repo: Path) -> ServingConfig:
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--model", "/nowhere/model"], "is neither a preset"),
+    (["--model", "/nowhere/model"], "--model /nowhere/model does not exist; pass a checkpoint directory"),
     (["--model", "preset:tiny-llama", "--max-seq-len", "100000"], "--max-seq-len 100000 exceeds the target's 2048"),
     (["--model", "preset:tiny-llama", "--method", "classic"], r"methods \['classic'\] need a draft model"),
     (["--model", "preset:tiny-llama", "--method", "vanilla", "dustin-h", "--draft", "preset:tiny-llama-draft"],

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from trtllm_dustin.paths import OUTPUTS, check_output, check_paths
 from trtllm_dustin.validation import (
     DEFAULT_PREFILL_BUDGET,
     MAX_GAMMA,
@@ -27,6 +28,7 @@ from trtllm_dustin.validation import (
     InputError,
     check_budget,
     check_drafter_options,
+    check_dustin_config_used,
     check_generate_options,
     check_options,
     method_facts,
@@ -45,6 +47,7 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_PROMPT = "Write three sentences about why lighthouses were important to sailors."
 DEFAULT_LONG_TOKENS = 1536  # speculative methods' default prompt: this much of a packaged book
+DEFAULT_GAMMA = 3  # generate's draft tokens per round without an engine (an engine's: the gamma it was built with)
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of --dtype
 _DRAFT_WEIGHTS_HELP = ("the draft model's layers (and the ring drafter's layers and head): model (its dtype) or int8 "
                        "(weight-only, one scale per output row: half the bytes a draft step reads; tau within about "
@@ -134,7 +137,8 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
     gen.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory from "
                      "`train-ring-drafter`, or random (random weights, for presets) (default with the default model: "
                      f"the packaged {default_ring})")
-    gen.add_argument("--gamma", type=int, default=3, help=f"draft tokens per speculative round, 1..{MAX_GAMMA}")
+    gen.add_argument("--gamma", type=int, default=None, help=f"draft tokens per speculative round, 1..{MAX_GAMMA} "
+                     f"(default: {DEFAULT_GAMMA}; with --engine, the engine's)")
     gen.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget; "
                      "streamingllm, snapkv, quest without a Dustin config: their k")
     gen.add_argument("--draft-kv-cache", choices=draft_kv_choices, default="model",
@@ -250,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                       f"or random (default with the default model: the packaged {DEFAULT_LONGSPARK})")
     repo.add_argument("--ring", default=None, help="ring drafter for the ring methods: a directory, or random "
                       f"(default with the default model: the packaged {DEFAULT_RING})")
-    repo.add_argument("--gamma", type=int, default=3, help="draft tokens per speculative round")
+    repo.add_argument("--gamma", type=int, default=None, help=f"draft tokens per speculative round (default: "
+                      f"{DEFAULT_GAMMA}; with --engine, the engine's)")
     repo.add_argument("--draft-budget", type=int, default=512, help="MagicDec: the draft's StreamingLLM KV budget")
     repo.add_argument("--draft-kv-cache", choices=DRAFT_KV_CHOICES, default="model",
                       help="the draft's KV cache dtype: the model's, or fp8 (e4m3, half the draft's cache reads)")
@@ -274,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free port)")
     serve.add_argument("--server-dir", type=Path, default=Path.home() / ".cache" / "trtllm-dustin" / "tritonserver",
                        help="where nvidia-pytriton's server is prepared (once) with this Python's backend stub")
-    serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log beside the repo")
+    serve.add_argument("--log", type=Path, default=None, help="server log file; None: serve.log in the repository "
+                       "(Triton loads its directories only)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
     serve.add_argument("--drain", type=float, default=10.0,
                        help="at Ctrl-C / SIGTERM: seconds the running requests get to finish before they are cut "
@@ -409,9 +415,6 @@ def _regenerate_data(args: argparse.Namespace) -> int:
 
     context = args.context
     if context is None:
-        if not args.tokens.is_file():
-            raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin "
-                              f"prepare-distill-data --out {args.tokens}`")
         length = np.load(args.tokens, mmap_mode="r").shape[-1]
         if length <= args.new:
             raise ConfigError(f"--new {args.new} leaves no context in {args.tokens}'s {length}-token windows; lower "
@@ -429,7 +432,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.distill import DistillConfig, train_draft
 
     device = args.device or _default_device()
-    layers = tuple(int(i) for i in args.init_layers.split(",") if i.strip())
+    layers = _layer_list(args.init_layers, "--init-layers")
     cfg = DistillConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                         seed=args.seed, warmup=min(100, args.steps // 10), init_layers=layers,
                         head_vocab=args.head_vocab if layers else 0, draft_shape=args.draft_shape)
@@ -437,15 +440,6 @@ def _train_draft(args: argparse.Namespace) -> int:
                          max_seconds=args.max_seconds)
     print(json.dumps(record, indent=2))
     return 0
-
-
-def _check_tokens(args: argparse.Namespace) -> None:
-    """A training command's --tokens file exists (before anything loads)."""
-    from trtllm_dustin.config import ConfigError
-
-    if not args.tokens.is_file():
-        raise ConfigError(f"--tokens {args.tokens} does not exist; write it with `trtllm-dustin prepare-distill-data "
-                          f"--out {args.tokens} --seq-len {args.seq_len}`")
 
 
 def _layer_list(text: str, option: str) -> tuple[int, ...]:
@@ -462,7 +456,6 @@ def _train_longspark(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.longspark import LongSparkTrainConfig, train_longspark
 
     device = args.device or _default_device()
-    _check_tokens(args)
     cfg = LongSparkTrainConfig(target_layers=_layer_list(args.target_layers, "--target-layers"), window=args.window,
                                summary=args.summary, block=args.block,
                                lora_rank=args.lora_rank, fuse_rank=args.fuse_rank, markov_rank=args.markov_rank,
@@ -481,7 +474,6 @@ def _train_ring_drafter(args: argparse.Namespace) -> int:
     from trtllm_dustin.training.ring_drafter import RingTrainConfig, train_ring_drafter
 
     device = args.device or _default_device()
-    _check_tokens(args)
     cfg = RingTrainConfig(read_layers=_layer_list(args.read_layers, "--read-layers"),
                           own_layers=_layer_list(args.own_layers, "--own-layers"), window=args.window, block=args.block,
                           causal_stride=args.causal_stride, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -575,9 +567,13 @@ def _loading_line(args: argparse.Namespace) -> str:
     from trtllm_dustin.models.packaged import DEFAULT_MODEL, default_gguf_path
 
     device = args.device or _default_device()
-    what = args.model
+    what, dtype = args.model, _dtype_name(args.dtype, device)
     if getattr(args, "engine", None) is not None:
         what = f"the engine {args.engine}"
+        try:  # its weights' dtype, which it runs in (opening it checks the manifest, and refuses another --dtype)
+            dtype = args.dtype or json.loads((args.engine / "manifest.json").read_text())["limits"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            dtype = args.dtype or "the engine's dtype"
     elif args.model in (None, DEFAULT_MODEL):
         try:
             what = f"SmolLM2-135M-Instruct (the default model) from {default_gguf_path()}"
@@ -585,7 +581,7 @@ def _loading_line(args: argparse.Namespace) -> str:
             what = "SmolLM2-135M-Instruct (the default model)"
     elif args.model.startswith("preset:"):
         what = f"{args.model} (random weights)"
-    return f"trtllm-dustin generate: loading {what} onto {device} ({_dtype_name(args.dtype, device)})"
+    return f"trtllm-dustin generate: loading {what} onto {device} ({dtype})"
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -623,7 +619,8 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     limits = engine.manifest.limits
     if args.dtype is not None and args.dtype != limits.dtype:
         raise EngineError(f"--dtype {args.dtype}: the engine's weights are {limits.dtype}; drop --dtype or rebuild")
-    for name, asked, limit in (("batch-size", args.batch_size, limits.max_batch), ("gamma", args.gamma, limits.gamma),
+    for name, asked, limit in (("batch-size", args.batch_size, limits.max_batch),
+                               ("gamma", args.gamma or 0, limits.gamma),
                                ("max-seq-len", args.max_seq_len or 0, limits.max_seq_len)):
         if asked > limit:
             raise EngineError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
@@ -636,10 +633,16 @@ def _open_engine(args: argparse.Namespace, device, method, world_size: int = 1, 
     args.draft_kv_cache, args.draft_weights = limits.draft_kv_cache, limits.draft_weights
     print(f"engine: {args.engine} (checked: format {engine.manifest.format_version}, {len(engine.manifest.files)} "
           f"files' sha256, fingerprints; limits batch {limits.max_batch} x {limits.max_seq_len} tokens, gamma "
-          f"{limits.gamma}; tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
-          f"{engine.manifest.tactics_gpu})", flush=True)
+          f"{limits.gamma}; " + (f"kernel tactics {'tuned on' if engine.manifest.tuned else 'packaged for'} "
+                                 f"{engine.manifest.tactics_gpu}" if device.type == "cuda" else
+                                 "no kernel tactics on cpu: the PyTorch reference path") + ")", flush=True)
     for note in engine.notes:
         print(note, flush=True)
+    given, args.gamma = args.gamma is not None, args.gamma or limits.gamma
+    if method.speculative:
+        print(f"{args.method}: gamma {args.gamma} draft tokens per round" + (
+            f" (--gamma; the engine takes up to {limits.gamma})" if given else
+            " (the engine's, built with --gamma; pass --gamma N for fewer)"), flush=True)
     return engine
 
 
@@ -649,7 +652,7 @@ def _open(role: str, spec: str | None, seed: int, engine: OpenedEngine | None = 
 
     start = time.perf_counter()
     checkpoint = (engine.target if role == "target" else engine.draft) if engine is not None else \
-        open_model(spec, seed)
+        open_model(spec, seed, "--model" if role == "target" else f"--{role}")
     c = checkpoint.config
     print(f"{role}: {c.name}, {c.num_layers} layers x {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, vocab "
           f"{c.vocab_size}, {c.max_position_embeddings} positions, {c.num_parameters() / 1e6:.0f} M parameters; "
@@ -680,12 +683,13 @@ def _draft_weights(draft: Transformer, kind: str) -> Transformer:
 
 def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, models: list[tuple[str, Checkpoint]],
                   kv_dtypes: list[torch.dtype], device: torch.device, dtype: torch.dtype,
-                  shares: list[float] | None = None, sparse_k: int | None = None, drafter_bytes: int = 0) -> int:
+                  shares: list[float] | None = None, sparse_k: int | None = None, drafter_bytes: int = 0,
+                  engine_seq_len: int | None = None) -> int:
     """Every limit that the configs decide, before a weight is read: the KV cache length against the prompt and
     each model's positions, --budget against the cache, and the weights + caches (+ the sparse verification's gather
     at k, `sparse_k`, for a sparse method) against the device's free memory (shares: the fraction of each model this
     process holds, a pipeline stage's; default all; drafter_bytes: a ring drafter's own weights, counted with the
-    weights). Returns the cache length."""
+    weights; engine_seq_len: the cache length an engine was built for). Returns the cache length."""
     from trtllm_dustin.kv_cache import KVCache, available_memory, check_fits
     from trtllm_dustin.runtime.generation import check_lengths
 
@@ -693,16 +697,19 @@ def _check_limits(args: argparse.Namespace, prompt: list[int], lookahead: int, m
     max_seq_len = args.max_seq_len or need
     if lookahead:  # a speculative round writes gamma positions ahead: the cache grows to hold them
         max_seq_len = max(max_seq_len, need)
+    if max_seq_len == args.max_seq_len:
+        asked, fix = f"--max-seq-len {max_seq_len}", "lower it"
+    else:
+        asked = f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens}" + \
+            (f" + gamma {lookahead}" if lookahead else "") + f" = {max_seq_len}"
+        fix = "shorten the prompt or lower --max-new-tokens"
     for role, checkpoint in models:
         positions = checkpoint.config.max_position_embeddings
         if max_seq_len > positions:
-            if max_seq_len == args.max_seq_len:
-                asked, fix = f"--max-seq-len {max_seq_len}", "lower it"
-            else:
-                asked = f"the prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens}" + \
-                    (f" + gamma {lookahead}" if lookahead else "") + f" = {max_seq_len}"
-                fix = "shorten the prompt or lower --max-new-tokens"
             raise ValueError(f"{asked} exceeds the {role}'s {positions} positions ({checkpoint.config.name}); {fix}")
+    if engine_seq_len is not None and max_seq_len > engine_seq_len:
+        raise ValueError(f"{asked} exceeds the {engine_seq_len} positions the engine was built for; {fix}, or "
+                         f"rebuild the engine with --max-seq-len {max_seq_len}")
     check_lengths([prompt] * args.batch_size, args.batch_size, max_seq_len, args.max_new_tokens, lookahead)
     if sparse_k is not None and args.budget is not None:
         check_budget(args.budget, max_seq_len)
@@ -763,6 +770,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     # ---- open every model (configs, tokenizer) and check every limit; no weight is read yet
     engine = _open_engine(args, device, method) if args.engine is not None else None
+    if args.gamma is None:
+        args.gamma = DEFAULT_GAMMA
     if engine is not None:
         dtype = engine.manifest.limits.torch_dtype
     target = _open("target", args.model, args.seed, engine)
@@ -776,7 +785,8 @@ def _generate(args: argparse.Namespace) -> int:
     max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype,
                                 sparse_k=_sparse_k(args, method, dustin),
                                 drafter_bytes=ring_weight_bytes(args.ring, target.config, dtype.itemsize)
-                                if method.needs_ring else 0)
+                                if method.needs_ring else 0,
+                                engine_seq_len=engine.manifest.limits.max_seq_len if engine is not None else None)
 
     # ---- load the weights
     loaded = _load("target", target, device, dtype)
@@ -818,10 +828,14 @@ def _print_result(args: argparse.Namespace, result, tokenizer, source: str, devi
         f", then {result.setup_ms:.1f} ms of one-time setup (CUDA-graph capture, kernel warm-up)"
     print(f"time to first token {result.prefill_ms:.1f} ms (prefill){setup}")
     idle = result.rounds - result.decoding_rounds  # GPU only: rounds until the finished flag reached the host
-    print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
-          f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the host, "
-                                             f"{result.decode_ms:.1f} ms in all)" if idle else ")"))
-    if speculative:
+    if result.generated == len(result.tokens):  # every sequence ended at the token the prefill wrote
+        print(f"decode: no {steps} ran (every sequence ended at its first token, which the prefill writes: an "
+              "end-of-sequence token or --max-new-tokens 1)")
+    else:
+        print(f"decode {result.decode_tokens_per_s:.1f} tokens/s ({result.decoding_rounds} {steps} in "
+              f"{result.decoding_ms:.1f} ms" + (f"; then {idle} idle {steps} until the finished flag reached the "
+                                                 f"host, {result.decode_ms:.1f} ms in all)" if idle else ")"))
+    if speculative and sum(result.committed_hist):
         print(f"{args.method}: gamma {args.gamma}, mean accepted length tau {result.tau:.2f}, "
               f"tokens committed per round (1..{args.gamma + 1}): {result.committed_hist}")
     if result.phase_ms:
@@ -879,7 +893,8 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
                 shares.append(1.0 if group.first else 0.0)
             lookahead = args.gamma if method.speculative else 0
             max_seq_len = _check_limits(args, prompt, lookahead, models, kv_dtypes, device, dtype, shares,
-                                        sparse_k=_sparse_k(args, method, dustin))
+                                        sparse_k=_sparse_k(args, method, dustin),
+                                        engine_seq_len=engine.manifest.limits.max_seq_len)
         except (ValueError, ConfigError, ModelLoadError, MemoryPlanError) as e:
             engine, error = None, str(e)
         facts = {} if engine is None else {
@@ -913,9 +928,22 @@ def _generate_pipeline(args: argparse.Namespace) -> int:
 
 
 def _triton_repo(args: argparse.Namespace) -> int:
+    from trtllm_dustin.runtime.methods import METHODS
     from trtllm_dustin.serving import ServingConfig, write_model_repository
 
-    if args.engine is None:  # the models, drafter, Dustin config, device and limits, as `generate` checks them
+    def check_smallest_request() -> None:
+        lookahead = args.gamma if any(METHODS[m].speculative for m in args.method) else 0
+        smallest = 2 + lookahead  # one prompt token, one new token, a round's drafts
+        if args.max_seq_len < smallest:
+            raise InputError(f"--max-seq-len {args.max_seq_len} holds no request: the smallest (1 prompt token + 1 "
+                             "new token" + (f" + gamma {lookahead} kept free for a round's drafts" if lookahead else "")
+                             + f") takes {smallest}; raise it to >= {smallest}")
+
+    check_drafter_options(args, args.method, METHODS)
+    check_dustin_config_used(args, args.method, METHODS)
+    if args.engine is None:
+        args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
+        check_smallest_request()  # the models, drafter, Dustin config, device and limits, as `generate` checks them
         args.model, args.draft, args.longspark, args.ring, dustin = _repository_models(args)
     else:  # checked now, not first when the server loads the model
         from trtllm_dustin.build_engines.engine import check_serves, open_engine
@@ -927,9 +955,14 @@ def _triton_repo(args: argparse.Namespace) -> int:
         opened = open_engine(args.engine, device=args.device, serving=True)
         check_serves(opened, args.method)
         limits = opened.manifest.limits
-        if args.max_batch > limits.max_batch or args.max_seq_len > limits.max_seq_len:
-            raise ValueError(f"--max-batch {args.max_batch} / --max-seq-len {args.max_seq_len} exceed the engine's "
-                             f"{limits.max_batch} / {limits.max_seq_len}; lower them or rebuild the engine")
+        for name, asked, limit in (("max-batch", args.max_batch, limits.max_batch),
+                                   ("max-seq-len", args.max_seq_len, limits.max_seq_len),
+                                   ("gamma", args.gamma or 0, limits.gamma)):
+            if asked > limit:
+                raise ValueError(f"--{name} {asked} exceeds the engine's {limit}; lower it or rebuild the engine with "
+                                 f"--{name} {asked}")
+        args.gamma = limits.gamma if args.gamma is None else args.gamma  # the engine's unless --gamma lowers it
+        check_smallest_request()
     config = ServingConfig(
         engine=str(args.engine.resolve()) if args.engine is not None else None,
         model=args.model, draft=args.draft, longspark=args.longspark, ring=args.ring, methods=tuple(args.method),
@@ -951,16 +984,37 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from trtllm_dustin.serving.launch import DRAIN_MARGIN_S, ServerError, TritonServer, prepare_pytriton_server
+    from trtllm_dustin.config import ConfigError
+    from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.launch import (
+        DRAIN_MARGIN_S,
+        ServerError,
+        TritonServer,
+        check_endpoints,
+        prepare_pytriton_server,
+    )
 
-    models = sorted(p.parent.parent.name for p in args.repo.glob("*/1/serving_config.json"))
+    configs = sorted(args.repo.glob("*/1/serving_config.json"))
+    models = [p.parent.parent.name for p in configs]
     if not models:
         raise ValueError(f"--repo {args.repo} holds no model written by `trtllm-dustin triton-repo`; write one with "
                          f"`trtllm-dustin triton-repo --out {args.repo}`")
+    broken = []
+    for path in configs:  # read as the server's model reads it: a repository none of whose models can load is refused
+        try:
+            ServingConfig.load(path)
+        except (ConfigError, OSError, UnicodeDecodeError) as e:
+            broken.append(str(e) if isinstance(e, ConfigError) else f"serving config {path} cannot be read ({e}); "
+                          "regenerate the repository with `trtllm-dustin triton-repo`")
+    if len(broken) == len(configs):
+        raise ConfigError(broken[0])
+    check_endpoints(args.address, args.http_port, args.grpc_port)
+    log = args.log or args.repo.resolve() / "serve.log"  # Triton loads the repository's directories only
+    if args.log is None:
+        check_output("--log", log, OUTPUTS["serve"]["log"])
     if not (args.server_dir / "bin" / "tritonserver").is_file():
         print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
         prepare_pytriton_server(args.server_dir)
-    log = args.log or args.repo.resolve().parent / "serve.log"
     server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
                           http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True,
                           exit_timeout_s=args.drain + DRAIN_MARGIN_S,
@@ -983,8 +1037,9 @@ def _serve(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     if not ready:
         server.stop()
-        print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
-              file=sys.stderr)
+        if len(states) > 1:
+            print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
+                  file=sys.stderr)
         return 1
     print(f"ready: {', '.join(ready)} on HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: "
           "docs/serving.md); Ctrl-C stops it", flush=True)
@@ -1056,12 +1111,14 @@ def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpo
         raise ConfigError(f"methods {needing} need --dustin-config FILE (SRH heads, budget, m); write one for this "
                           "target/draft pair with `trtllm-dustin search`")
     if dustin is not None:
-        dustin.check_models(target.config, draft.config if draft is not None else None)
+        dustin.check_models(target.config, draft.config if draft is not None else None,
+                            f"Dustin config {args.dustin_config}")
         if getattr(args, "budget", None) is not None:
             dustin = dustin.with_budget(args.budget)
         selection = ", ".join(f"{lh.layer} ({len(lh.heads)} heads)" for lh in dustin.selection_layers)
         window = f", score window {dustin.score_window} ({dustin.score_window_op})" if dustin.score_window > 1 else ""
-        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget}, m {dustin.m}"
+        print(f"Dustin config: {args.dustin_config} (budget k {dustin.budget} cached positions per verification, "
+              f"m {dustin.m} of them chosen by the draft's attention"
               + (f"; in-pass selection layers {selection}{window}" if selection else "") + "; fingerprints match)",
               flush=True)
     _baseline_budgets(args, methods, dustin)
@@ -1189,6 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_options(args)  # every numeric option of every command, before anything is opened or loaded
+        check_paths(args.command, args)  # every file read exists, every output can be written
         return args.func(args)
     except (ValueError, ConfigError, ModelLoadError, MemoryPlanError, PipelineError) as e:
         print(f"trtllm-dustin: error: {e}", file=sys.stderr)

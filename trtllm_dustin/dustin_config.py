@@ -122,23 +122,28 @@ class DustinConfig:
         free = self.budget - self.n_sink - self.n_recent
         return {"h": self, "t": replace(self, m=0), "d": replace(self, m=free)}[name]
 
-    def check_models(self, target: ModelConfig, draft: ModelConfig | None) -> None:
+    def check_models(self, target: ModelConfig, draft: ModelConfig | None, source: str = "this Dustin config"
+                     ) -> None:
         """Refuse a config whose layers/heads do not exist in these models or that was searched for others (draft
-        None: check the target side only, for a drafter that is not the searched draft model)."""
-        in_pass = self.selection_layers + self.pool_layers
-        sides = [("target", self.target_layers + in_pass, target, self.target_fingerprint)]
+        None: check the target side only, for a drafter that is not the searched draft model). source: what the
+        message calls the config (the CLI: its file)."""
+        fix = "fix the field, or write a config for this pair with `trtllm-dustin search`"
+        sides = [("target", ("target_layers", "selection_layers", "pool_layers"), target, self.target_fingerprint)]
         if draft is not None:
-            sides.append(("draft", self.draft_layers, draft, self.draft_fingerprint))
-        for side, layers, model, fingerprint in sides:
+            sides.append(("draft", ("draft_layers",), draft, self.draft_fingerprint))
+        for side, fields, model, fingerprint in sides:
             if fingerprint and fingerprint != model_fingerprint(model):
-                raise ConfigError(f"this Dustin config was searched for another {side} model than {model.name}; "
-                                  f"run `trtllm-dustin search` for this pair")
-            for lh in layers:
-                if not 0 <= lh.layer < model.num_layers:
-                    raise ConfigError(f"{side} layer {lh.layer} does not exist ({model.name} has {model.num_layers})")
-                bad = [h for h in lh.heads if not 0 <= h < model.num_heads]
-                if bad:
-                    raise ConfigError(f"{side} layer {lh.layer} heads {bad} do not exist ({model.num_heads} heads)")
+                raise ConfigError(f"{source} was searched for another {side} model than {model.name}; run "
+                                  "`trtllm-dustin search` for this pair")
+            for field in fields:
+                for i, lh in enumerate(getattr(self, field)):
+                    if not 0 <= lh.layer < model.num_layers:
+                        raise ConfigError(f"{source}: {field}[{i}].layer {lh.layer} does not exist in the {side} "
+                                          f"{model.name} (layers 0..{model.num_layers - 1}); {fix}")
+                    bad = [h for h in lh.heads if not 0 <= h < model.num_heads]
+                    if bad:
+                        raise ConfigError(f"{source}: {field}[{i}].heads {bad} do not exist in the {side} "
+                                          f"{model.name} (heads 0..{model.num_heads - 1}); {fix}")
 
     def to_json(self) -> str:
         return versioned_json(DUSTIN_SCHEMA_VERSION, asdict(self))

@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import types
 import typing
 from argparse import Namespace
@@ -35,8 +36,8 @@ from typing import Any, TypeVar
 from trtllm_dustin.errors import ConfigError
 
 __all__ = ["CLI", "DRAFT_ONLY_CHOICES", "HTTP", "MAX_GAMMA", "MAX_SEED", "RANGES", "STREAMING_SINKS", "InputError",
-           "MethodFacts", "Range", "Terms", "check_budget", "check_drafter_options", "check_fields",
-           "check_generate_options", "check_options",
+           "MethodFacts", "Range", "Terms", "check_budget", "check_device", "check_drafter_options",
+           "check_dustin_config_used", "check_fields", "check_generate_options", "check_options", "check_prompt",
            "check_request_length", "check_value", "load_versioned", "method_facts", "read_json_object",
            "read_versioned", "sparse_gather_bytes", "versioned_json"]
 
@@ -175,11 +176,23 @@ def check_value(field: str, value: Any, terms: Terms = CLI) -> None:
 
 
 def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> None:
-    """Every field of `args` that RANGES knows and that was given (None: the default, decided later)."""
+    """Every field of `args` that RANGES knows and that was given (None: the default, decided later), and a
+    --device."""
     values = vars(args) if isinstance(args, Namespace) else args
     for field, value in values.items():
         if field in RANGES and value is not None:
             check_value(field, value, terms)
+    if terms.cli and isinstance(values.get("device"), str):
+        check_device(values["device"])
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def check_device(value: str, option: str = "--device") -> None:
+    """A device this build runs on: cpu, cuda or cuda:N (torch would raise with its list of every device type)."""
+    if not _DEVICE.fullmatch(value):
+        raise InputError(f"{option} {value}: this build runs on cpu or cuda (cuda:N for GPU N); pass one of them")
 
 
 # generate's options that only a draft model reads -> their values other than "model" (plugins/kv_dtype.py
@@ -188,12 +201,16 @@ def check_options(args: Namespace | Mapping[str, Any], terms: Terms = CLI) -> No
 DRAFT_ONLY_CHOICES = {"draft-kv-cache": ("fp8",), "draft-weights": ("int8",)}
 RING_TOO = ("draft-weights",)
 # options naming a drafter of their own methods only -> (the MethodFacts flag of those methods, what the drafter is)
-DRAFTER_OPTIONS = {"longspark": ("needs_longspark", "LongSpark drafter"), "ring": ("needs_ring", "ring drafter")}
+DRAFTER_OPTIONS = {"draft": ("needs_draft", "draft model"), "longspark": ("needs_longspark", "LongSpark drafter"),
+                   "ring": ("needs_ring", "ring drafter")}
 
 
 def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None) -> None:
     """`generate`'s options on their own, before any model is opened: what the method takes, the prompt file, then
     every range. facts: method_facts() (None: the method-specific checks wait for the registry)."""
+    from trtllm_dustin.paths import check_paths  # it imports this module
+
+    check_paths("generate", args)  # a path that is missing or of the wrong kind first: nothing else can be said of it
     method = facts.get(args.method) if facts else None
     if method is not None and args.budget is not None and not method.sparse:
         sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
@@ -213,14 +230,32 @@ def check_generate_options(args: Namespace, facts: dict[str, MethodFacts] | None
                                  f"nothing; drop --{option}, or choose a method that drafts with one ({drafting})")
     if facts is not None:
         check_drafter_options(args, [args.method], facts)
-    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
-        raise InputError(f"--prompt-file {args.prompt_file} does not exist; pass a text file")
+        check_dustin_config_used(args, [args.method], facts)
     check_options(args)
+    check_prompt(args)
+
+
+def check_prompt(args: Namespace) -> None:
+    """A --prompt or --prompt-file with text in it (an empty one would answer an empty chat turn)."""
+    if args.prompt is not None and not args.prompt.strip():
+        raise InputError(f"--prompt {args.prompt!r} is empty; pass some text, or drop --prompt for the default prompt")
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text()
+        except UnicodeDecodeError as e:
+            raise InputError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                             f"offset {e.start}); pass a text file") from None
+        except OSError as e:
+            raise InputError(f"--prompt-file {args.prompt_file} cannot be read ({e.strerror}); pass a text file "
+                             "you can read") from None
+        if not text.strip():
+            raise InputError(f"--prompt-file {args.prompt_file} is empty; write the prompt into it, or pass --prompt "
+                             "TEXT")
 
 
 def check_drafter_options(args: Namespace, methods: Sequence[str], facts: Mapping[str, Any]) -> None:
-    """--longspark / --ring name a drafter that only their own methods read: given with none of those among `methods`
-    (facts: name -> MethodFacts or the registry's Method), it would change nothing, and is refused."""
+    """--draft / --longspark / --ring name a drafter that only their own methods read: given with none of those among
+    `methods` (facts: name -> MethodFacts or the registry's Method), it would change nothing, and is refused."""
     for option, (flag, what) in DRAFTER_OPTIONS.items():
         value = getattr(args, option, None)
         if value is not None and not any(getattr(facts[m], flag) for m in methods):
@@ -228,6 +263,16 @@ def check_drafter_options(args: Namespace, methods: Sequence[str], facts: Mappin
             chosen = f"--method {methods[0]}" if len(methods) == 1 else f"methods {', '.join(methods)}"
             raise InputError(f"--{option} {value}: {chosen} drafts with no {what}, so it would change nothing; drop "
                              f"--{option}, or choose a method that drafts with one ({using})")
+
+
+def check_dustin_config_used(args: Namespace, methods: Sequence[str], facts: Mapping[str, Any]) -> None:
+    """--dustin-config is read by the sparse methods only (its heads, or its k for the baselines): given with none of
+    them it would change nothing, and is refused."""
+    if getattr(args, "dustin_config", None) is not None and not any(facts[m].sparse for m in methods):
+        sparse = ", ".join(name for name, f in facts.items() if f.offered and f.sparse)
+        chosen = f"--method {methods[0]}" if len(methods) == 1 else f"methods {', '.join(methods)}"
+        raise InputError(f"--dustin-config {args.dustin_config}: {chosen} verifies against the whole cache and reads "
+                         f"no Dustin config, so it would change nothing; drop it, or choose a sparse method ({sparse})")
 
 
 def check_request_length(field: str, prompt_tokens: int, max_tokens: int, lookahead: int, max_seq_len: int) -> None:

@@ -355,10 +355,11 @@ def _open_gguf(path: Path) -> Checkpoint:
     return Checkpoint(config, gguf_tokenizer(gguf), str(path), about, lambda device: hf_tensors(gguf, config))
 
 
-def open_model(spec: str | None = None, seed: int = 0) -> Checkpoint:
+def open_model(spec: str | None = None, seed: int = 0, option: str = "--model") -> Checkpoint:
     """Open `spec` without reading its weights: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged
     draft), a fetched model's name (`trtllm-dustin fetch-model`, models/fetch.py), "preset:NAME" (random weights
-    from `seed`), a checkpoint directory or a .gguf file."""
+    from `seed`), a checkpoint directory or a .gguf file. option: the command line option that named it, for the
+    messages."""
     spec = spec or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return _open_gguf(default_gguf_path())
@@ -373,11 +374,13 @@ def open_model(spec: str | None = None, seed: int = 0) -> Checkpoint:
         return _open_hf_dir(path)
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"GGUF file {path} does not exist")
+            raise ModelLoadError(f"{option} {spec}: GGUF file {path} does not exist; pass an existing .gguf file, a "
+                                 "checkpoint directory or preset:NAME")
         return _open_gguf(path)
     if not path.exists():
-        raise ModelLoadError(f"--model {spec!r} is neither a preset (preset:NAME), a directory nor a .gguf file")
-    raise ConfigError(f"--model {spec!r}: unsupported file type; pass a checkpoint directory or a .gguf file")
+        raise ModelLoadError(f"{option} {spec!r} is neither a preset (preset:NAME), a directory nor a .gguf file (no "
+                             f"such path); pass one of them")
+    raise ConfigError(f"{option} {spec!r}: unsupported file type; pass a checkpoint directory or a .gguf file")
 
 
 def load_model(spec: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -10,7 +10,9 @@ environment's `bin/` put first on PATH (it resolves `python3` there and reads py
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
+import ipaddress
 import json
 import os
 import shutil
@@ -24,8 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ServerError", "TritonServer", "free_port", "prepare_pytriton_server", "processes_in_group",
-           "pytriton_distribution"]
+__all__ = ["ServerError", "TritonServer", "check_endpoints", "free_port", "prepare_pytriton_server",
+           "processes_in_group", "pytriton_distribution"]
 
 DRAIN_MARGIN_S = 10.0  # of the exit timeout, left for cutting running requests and unloading every model
 
@@ -72,6 +74,43 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_endpoints(address: str, http_port: int, grpc_port: int) -> None:
+    """Refuse, before tritonserver starts (it would print its --help, or "Socket already in use" for an address it
+    cannot bind), an --address that is no address of this host and a port that is taken, privileged or given twice
+    (0: any free port, picked at start)."""
+    from trtllm_dustin.validation import InputError
+
+    if http_port == grpc_port != 0:
+        raise InputError(f"--http-port {http_port} and --grpc-port {grpc_port} are the same port; pass another "
+                         "--grpc-port (or 0 for any free port)")
+    local = "pass 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or an address of this host"
+    dotted = address.replace(".", "").isdigit()
+    try:
+        if dotted:
+            ipaddress.ip_address(address)
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0]
+    except (ValueError, socket.gaierror) as e:
+        why = "not a valid IPv4 address" if dotted else f"not found: {getattr(e, 'strerror', e)}"
+        raise InputError(f"--address {address} is {why}; {local}") from None
+    for option, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a closing port is free
+            try:
+                s.bind((sockaddr[0], port))
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise InputError(f"--address {address} is not an address of this host ({e.strerror}); "
+                                     f"{local}") from None
+                if e.errno == errno.EADDRINUSE:
+                    raise InputError(f"{option} {port} is in use on {address} (another server listens there); pass "
+                                     "another port, or 0 for any free port") from None
+                if e.errno == errno.EACCES:
+                    raise InputError(f"{option} {port} needs privileges here ({e.strerror}); pass a port >= 1024, "
+                                     "or 0 for any free port") from None
+                raise InputError(f"{option} {port} on {address} cannot be bound ({e.strerror}); pass another port or "
+                                 "--address") from None
 
 
 def processes_in_group(pgid: int) -> list[int]:

@@ -149,13 +149,15 @@ def train_draft(tokens_file: str | Path, out_dir: str | Path, cfg: DistillConfig
     """
     device = torch.device(device)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     data = np.load(tokens_file)
     if data.shape[1] < cfg.seq_len:
-        raise ConfigError(f"{tokens_file} holds windows of {data.shape[1]} tokens, fewer than seq_len={cfg.seq_len}")
+        raise ConfigError(f"{tokens_file} holds windows of {data.shape[1]} tokens, fewer than seq_len={cfg.seq_len}; "
+                          f"lower --seq-len, or write windows that long with `trtllm-dustin prepare-distill-data "
+                          f"--seq-len {cfg.seq_len}`")
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(target_spec, device=device, dtype=dtype).model
+    out_dir.mkdir(parents=True, exist_ok=True)  # once the checks passed and the target loaded: no empty run folder
     shared = bool(cfg.init_layers)
     head_ids = None
     if shared:  # fp32 master weights, bf16 autocast

@@ -66,7 +66,6 @@ def train_on_windows(tokens_file: str | Path, out_dir: str | Path, cfg, build: C
     if data.ndim != 2 or data.shape[1] < cfg.seq_len:
         raise ConfigError(f"{tokens_file} holds windows of {data.shape[-1]} tokens, fewer than seq_len={cfg.seq_len}; "
                           f"write one with `trtllm-dustin prepare-distill-data --seq-len {cfg.seq_len}`")
-    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(target_spec, device=device, dtype=dtype, max_positions=max(cfg.seq_len + cfg.block, 2048)
@@ -78,6 +77,7 @@ def train_on_windows(tokens_file: str | Path, out_dir: str | Path, cfg, build: C
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    out_dir.mkdir(parents=True, exist_ok=True)  # once the checks passed and the models built: no empty run folder
     resume = out_dir / "resume.pt"
     step, losses, seconds_before = 0, [], 0.0
     if resume.is_file():
