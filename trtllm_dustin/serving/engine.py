@@ -138,11 +138,11 @@ class ServingEngine:
                  vocab_size: int | None = None, metrics_path: str | Path | None = None) -> None:
         """metrics_path: where the metrics snapshot is written (stats.py); None: kept in `self.metrics` only."""
         self.config, self.batchers, self.codec, self.vocab_size = config, batchers, codec, vocab_size
+        self._waiting: deque[_Job] = deque()
+        self._running: dict[tuple[str, int], _Job] = {}
         self.metrics = EngineMetrics()
         self._set_gauges()
         self._metrics_writer = None if metrics_path is None else SnapshotWriter(self.metrics, metrics_path)
-        self._waiting: deque[_Job] = deque()
-        self._running: dict[tuple[str, int], _Job] = {}
         self._cv = threading.Condition()
         self._stopping = False
         self._submitted = 0

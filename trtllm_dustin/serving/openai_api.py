@@ -284,7 +284,7 @@ def from_triton_error(call: GenerateCall | None, status: int, message: str) -> A
     """The Triton model's error as an OpenAI error: its leading field name, in OpenAI's terms, is the `param`."""
     if "queue is full" in message:
         return ApiError(429, message, None, "rate_limit_error", "queue_full")
-    if "shutting down" in message:
+    if "shutting down" in message or "is not healthy" in message:  # stopping, or a backend stub died: restarting
         return ApiError(503, message, None, "server_error", "shutting_down")
     if status != 400:
         return ApiError(500 if status < 500 else status, message, None, "server_error", "backend_error")
