@@ -5,8 +5,8 @@ A backend that dies (a crash no guard foresaw, an out-of-memory kill, a `kill -9
 not start a dead stub again, it answers "Stub process ... is not healthy" until restarted). Whatever of its process
 group is left (backend stubs) is killed, its metrics snapshots are removed (their counters restart from zero with
 it), and it is started again on the same ports, so clients retry where they were. Starting takes as long as the
-models take to load (the default pair, two methods, on 2 shared CPU cores: 10 to 20 s). Three starts in a row that fail end `serve` with
-an error: a backend that cannot start is not retried forever.
+models take to load (the default pair, two methods, on 2 shared CPU cores: 10 to 20 s). Three starts in a row that
+fail end `serve` with an error: a backend that cannot start is not retried forever.
 """
 
 from __future__ import annotations
