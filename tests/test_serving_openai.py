@@ -179,8 +179,14 @@ def _delta(after: dict, before: dict, name: str, **labels: str) -> float:
     return total(after) - total(before)
 
 
+def _settled(served: Served) -> dict:
+    """/metrics once the engine's snapshot holds everything finished so far (it is written twice a second)."""
+    time.sleep(1.2)
+    return served.metrics()
+
+
 def test_metrics_count_what_the_requests_got(served: Served) -> None:
-    before = served.metrics()
+    before = _settled(served)
     got = []  # (prompt tokens, generated tokens, method, rounds, accepted draft tokens)
     for kind in ("chat", "completion"):
         for stream in (False, True):
@@ -202,12 +208,7 @@ def test_metrics_count_what_the_requests_got(served: Served) -> None:
     out = triton.json()
     got.append((out["prompt_tokens"], out["generated_tokens"], "dustin-h", out["rounds"],
                 out["total_accepted_draft_tokens"]))
-    deadline = time.monotonic() + 15  # the engine writes its snapshot twice a second
-    while time.monotonic() < deadline:
-        after = served.metrics()
-        if _delta(after, before, "dustin_requests_total", outcome="ok") >= len(got):
-            break
-        time.sleep(0.25)
+    after = _settled(served)
     assert _delta(after, before, "dustin_requests_total", outcome="ok") == len(got)
     assert _delta(after, before, "dustin_prompt_tokens_total") == sum(g[0] for g in got)
     assert _delta(after, before, "dustin_generated_tokens_total") == sum(g[1] for g in got)

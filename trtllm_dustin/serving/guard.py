@@ -16,6 +16,7 @@ Both are answered 413 / 400 with one line naming the value, the limit and the fi
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,8 @@ class BodyGuard:
             body = await self._read(scope, receive)
         except _Refused as e:
             await _refuse(scope, send, e)
+            if e.code == "body_too_large":  # the rest of the body is still on its way
+                await _discard(receive)
             return
         delivered = False
 
@@ -118,9 +121,23 @@ class BodyGuard:
         return body
 
 
+async def _discard(receive: Any, timeout_s: float = 5.0) -> None:
+    """Read and drop what is left of a refused body (for at most `timeout_s`) after the answer went out: closing a
+    socket with unread data resets it, and the reset can destroy the answer before the client reads it."""
+    async def drain() -> None:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
 async def _refuse(scope: dict, send: Any, error: _Refused) -> None:
-    """The error in the shape of the API the path belongs to; the connection closes (the rest of the body is not
-    read)."""
+    """The error in the shape of the API the path belongs to; the connection closes after it."""
     if scope["path"].startswith("/v1/"):
         payload = {"error": {"message": error.message, "type": "invalid_request_error", "param": error.param,
                              "code": error.code}}

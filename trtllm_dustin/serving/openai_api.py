@@ -135,11 +135,9 @@ def parse_request(body: bytes, chat: bool, models: dict[str, ServedModel]) -> Ge
         payload["messages"] = json.dumps(_messages(request.get("messages")))
     else:
         payload.update(_prompt(request.get("prompt")))
-    max_tokens = _typed(request, "max_completion_tokens", int) if chat else None
-    if max_tokens is None:
-        max_tokens = _typed(request, "max_tokens", int)
+    field = "max_completion_tokens" if chat and request.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _typed(request, field, int)  # chat: max_completion_tokens first, as OpenAI reads them
     if max_tokens is not None and max_tokens < 1:
-        field = "max_tokens" if "max_tokens" in request else "max_completion_tokens"
         raise ApiError(400, f"{field}={max_tokens} must be >= 1; send a positive number", field)
     if max_tokens is None and chat:  # OpenAI: as many as fit
         payload.update(max_tokens=2**31 - 1, fit_max_tokens=True)
