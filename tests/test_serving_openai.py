@@ -40,12 +40,14 @@ TIMEOUT_S = 300.0
 CHAT = "What is the capital of France?"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 10
-GOOD = {"model": "dustin:vanilla", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+GOOD = {"model": "dustin:vanilla", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
 
 
 class Served:
-    def __init__(self, process: subprocess.Popen, url: str, lines: list[str], log: Path) -> None:
+    def __init__(self, process: subprocess.Popen, url: str, lines: list[str], log: Path,
+                 references: dict[str, subprocess.Popen]) -> None:
         self.process, self.url, self.lines, self.log = process, url, lines, log
+        self.references = references  # generate's runs, started beside the server
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
 
     def post(self, path: str, body: bytes | dict, timeout: float = TIMEOUT_S) -> httpx.Response:
@@ -103,6 +105,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
                                 "--http-port", "0", "--grpc-port", "0", "--server-dir", str(root / "server"),
                                 "--log", str(log), "--drain", "2"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    references = {"chat": _generate(CHAT, chat=True), "completion": _generate(PROMPT, chat=False)}
     lines: list[str] = []
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -111,7 +114,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         lines.append(line)
         if line.startswith("ready:"):
             break
-    server = Served(process, "http://" + line.split("HTTP http://")[1].split(",")[0], lines, log)
+    server = Served(process, "http://" + line.split("HTTP http://")[1].split(",")[0], lines, log, references)
     yield server
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -121,8 +124,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def references(served: Served) -> dict[str, str]:
     """generate's greedy answers: chat (its default, the chat template) and completion (--raw)."""
-    runs = {"chat": _generate(CHAT, chat=True), "completion": _generate(PROMPT, chat=False)}
-    return {kind: _generated_text(run) for kind, run in runs.items()}
+    return {kind: _generated_text(run) for kind, run in served.references.items()}
 
 
 # ---- the OpenAI client -------------------------------------------------------------------------------------------
