@@ -33,6 +33,7 @@ import torch
 from trtllm_dustin.runtime import phases
 from trtllm_dustin.runtime.decoder import Decoder, SlotPrefill
 from trtllm_dustin.runtime.generation import check_request
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams, SlotSampling
 from trtllm_dustin.runtime.state import Progress
@@ -186,10 +187,10 @@ class InflightBatcher:
         return self._sampling
 
     @torch.inference_mode()
-    def step(self) -> list[SlotUpdate]:
+    def step(self, timer: PhaseTimer | None = None) -> list[SlotUpdate]:
         """Prefill chunks of the chunked admissions, oldest first, up to prefill_budget tokens (at least one chunk),
         then one round for every decoding slot; return the first token of each slot whose prefill completed and what
-        each decoding slot committed."""
+        each decoding slot committed. timer: times the round's phases (the serving metrics)."""
         updates = []
         plan = self._plan()  # (slot, chunks this step), oldest admission first
         for wave in range(max((n for _, n in plan), default=0)):
@@ -204,7 +205,7 @@ class InflightBatcher:
         progress = self.progress
         before = progress.generated.clone()
         was_active = progress.active.clone()
-        verdict = self.decoder.round(progress, self._slot_sampling())
+        verdict = self.decoder.round(progress, self._slot_sampling(), timer=timer)
         # The tokens each slot committed this round: at most Γ+1 columns from its previous count on.
         cols = (before[:, None] + torch.arange(self.gamma + 1, device=self.device)[None]).clamp_max(progress.width)
         new = progress.out.gather(1, cols)  # [B, Γ+1]

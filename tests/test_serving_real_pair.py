@@ -359,11 +359,14 @@ def test_a_killed_client_leaves_the_others_unaffected(served: Served, reference)
 
 PARSE_INT = "Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer"
 PAIR_METHODS = ", ".join(OFFERED_METHODS)
-FIELDS = "text_input, input_ids, max_tokens, temperature, top_p, seed, random_seed, stop, method, stream"
+FIELDS = ("text_input, input_ids, messages, max_tokens, fit_max_tokens, temperature, top_p, seed, random_seed, stop, "
+          "method, stream")
 # (body, HTTP status, the error exactly): each through HTTP generate, against the real pair (the `dustin` model:
 # every offered method, vanilla the default, 256 positions per request; "hi" is one token). 400: refused by the
 # model, in the request's terms (validation.py); 500: refused by Triton's own JSON parser before the model sees the
 # request (docs/serving.md lists them); 200 with an error: Triton's generate endpoint on a streamed answer.
+ONE_PROMPT = ("send exactly one of text_input (BYTES), input_ids (INT32 token ids) and messages (BYTES: a JSON "
+              "chat)")
 MALFORMED = [
     ({"text_input": "hi"}, 400, "max_tokens (INT32) is required"),
     ({"text_input": "hi", "max_tokens": "ten"}, 500, PARSE_INT),  # a string for an integer
@@ -404,9 +407,8 @@ MALFORMED = [
      "in 0..9223372036854775806; send a smaller value"),
     ({"text_input": "hi", "max_tokens": 4, "seed": 1, "random_seed": 2}, 400, "send either seed (INT64) or "
      "random_seed (UINT64), not both"),
-    ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, 400, "send exactly one of text_input (BYTES) and "
-     "input_ids (INT32 token ids)"),
-    ({"max_tokens": 4}, 400, "send exactly one of text_input (BYTES) and input_ids (INT32 token ids)"),
+    ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, 400, ONE_PROMPT),
+    ({"max_tokens": 4}, 400, ONE_PROMPT),
     ({"input_ids": [5, 10 ** 6], "max_tokens": 4}, 400, "input_ids holds 1000000, outside this model's vocabulary "
      "[0, 49152); tokenize with the model's own tokenizer"),
     ({"input_ids": [], "max_tokens": 4}, 400, "input_ids is empty; send at least one token id"),

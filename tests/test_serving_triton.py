@@ -179,8 +179,8 @@ def test_stop_strings_end_the_text(server) -> None:
      "request, and text_input takes 90; send max_tokens <= 6"),  # dustin_sync's default method: vanilla
     (lambda m: _inputs(m, "abc", 4, top_p=1.5), "top_p=1.5 must be in (0, 1]"),
     (lambda m: _inputs(m, "abc", 4, stream=True), "stream=true needs the decoupled model"),
-    (lambda m: _inputs(m, "abc", 4, ids=[97, 98]), "send exactly one of text_input (BYTES) and input_ids"),
-    (lambda m: _inputs(m, None, 4), "send exactly one of text_input (BYTES) and input_ids"),
+    (lambda m: _inputs(m, "abc", 4, ids=[97, 98]), "send exactly one of text_input (BYTES), input_ids"),
+    (lambda m: _inputs(m, None, 4), "send exactly one of text_input (BYTES), input_ids"),
     (lambda m: _inputs(m, None, 4, ids=[97, 10**6]), "input_ids holds 1000000, outside this model's vocabulary"),
 ])
 def test_malformed_requests_get_a_clear_error_and_the_server_keeps_serving(server, make, message: str) -> None:

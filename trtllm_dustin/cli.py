@@ -270,12 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "absolute path); None: the models named by the options above")
     repo.set_defaults(func=_triton_repo)
 
-    serve = sub.add_parser("serve", help="run a tritonserver (nvidia-pytriton's) on a repository from triton-repo "
-                           "until Ctrl-C / SIGTERM", formatter_class=DefaultsHelp)
+    serve = sub.add_parser("serve", help="serve a repository from triton-repo (the OpenAI API, Triton's HTTP and gRPC "
+                           "APIs, /metrics) until Ctrl-C / SIGTERM", formatter_class=DefaultsHelp)
     serve.add_argument("--repo", type=Path, required=True, help="the model repository (`trtllm-dustin triton-repo`)")
     serve.add_argument("--address", default="127.0.0.1",
                        help="interface the HTTP and gRPC endpoints bind (0.0.0.0: every interface)")
-    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port of the front: the OpenAI API, Triton's "
+                       "HTTP API and /metrics (0: any free port); tritonserver's own HTTP listens on 127.0.0.1 only")
     serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free port)")
     serve.add_argument("--server-dir", type=Path, default=Path.home() / ".cache" / "trtllm-dustin" / "tritonserver",
                        help="where nvidia-pytriton's server is prepared (once) with this Python's backend stub")
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain", type=float, default=10.0,
                        help="at Ctrl-C / SIGTERM: seconds the running requests get to finish before they are cut "
                             "(with an error that says so); waiting ones are refused at once")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                       help="HTTP bodies over this size are refused (413) before they are read")
+    serve.add_argument("--max-json-depth", type=int, default=32,
+                       help="HTTP bodies whose JSON nests deeper are refused (400) before anything parses them")
     serve.set_defaults(func=_serve)
 
     add_search_commands(sub, DefaultsHelp)
@@ -980,12 +985,17 @@ def _triton_repo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Start the server, say where it listens, wait for Ctrl-C / SIGTERM (or the server's own death), stop it."""
+    """Start tritonserver (HTTP on 127.0.0.1 only) and the HTTP front before it, say where they listen, restart the
+    server if it dies, until Ctrl-C / SIGTERM; then stop both (docs/serving.md)."""
+    import shutil
     import signal
+    import tempfile
     import threading
 
     from trtllm_dustin.config import ConfigError
     from trtllm_dustin.serving import ServingConfig
+    from trtllm_dustin.serving.front import Front, FrontConfig, FrontServer
+    from trtllm_dustin.serving.guard import BodyLimits
     from trtllm_dustin.serving.launch import (
         DRAIN_MARGIN_S,
         ServerError,
@@ -993,6 +1003,9 @@ def _serve(args: argparse.Namespace) -> int:
         check_endpoints,
         prepare_pytriton_server,
     )
+    from trtllm_dustin.serving.metrics import FrontMetrics
+    from trtllm_dustin.serving.openai_api import served_models
+    from trtllm_dustin.serving.supervisor import Supervisor
 
     configs = sorted(args.repo.glob("*/1/serving_config.json"))
     models = [p.parent.parent.name for p in configs]
@@ -1012,17 +1025,19 @@ def _serve(args: argparse.Namespace) -> int:
     log = args.log or args.repo.resolve() / "serve.log"  # Triton loads the repository's directories only
     if args.log is None:
         check_output("--log", log, OUTPUTS["serve"]["log"])
+    limits = BodyLimits(args.max_body_bytes, args.max_json_depth)
     if not (args.server_dir / "bin" / "tritonserver").is_file():
         print(f"preparing nvidia-pytriton's tritonserver in {args.server_dir} (once)", flush=True)
         prepare_pytriton_server(args.server_dir)
+    metrics_dir = Path(tempfile.mkdtemp(prefix="trtllm-dustin-metrics-"))
     server = TritonServer(args.repo, args.server_dir, log, start_timeout_s=args.start_timeout, address=args.address,
-                          http_port=args.http_port, grpc_port=args.grpc_port, keep_going=True,
-                          exit_timeout_s=args.drain + DRAIN_MARGIN_S,
+                          http_address="127.0.0.1", http_port=0, grpc_port=args.grpc_port, keep_going=True,
+                          exit_timeout_s=args.drain + DRAIN_MARGIN_S, metrics_dir=metrics_dir,
                           stop_timeout_s=max(60.0, args.drain + DRAIN_MARGIN_S + 30))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting tritonserver on {args.address} for {', '.join(models)} (log: {log})", flush=True)
+    print(f"starting tritonserver for {', '.join(models)} (log: {log})", flush=True)
     try:
         server.start()
     except ServerError as e:
@@ -1041,17 +1056,23 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"trtllm-dustin: error: no model of {args.repo} loaded; fix the errors above and start again",
                   file=sys.stderr)
         return 1
-    print(f"ready: {', '.join(ready)} on HTTP http://{server.http_url}, gRPC {server.grpc_url} (requests: "
-          "docs/serving.md); Ctrl-C stops it", flush=True)
-    while not stop.wait(1.0):
-        if server.process.poll() is not None:
-            print(f"trtllm-dustin: error: tritonserver exited with {server.process.returncode}; see {log}",
-                  file=sys.stderr)
-            return 1
+    metrics = FrontMetrics(metrics_dir)
+    served = {name: model for name, model in served_models(args.repo).items() if name in ready}
+    front = FrontServer(Front(FrontConfig(server.http_url, served, limits), metrics), args.address, args.http_port)
+    front.start()
+    host = "127.0.0.1" if args.address in ("0.0.0.0", "::") else args.address
+    print(f"ready: {', '.join(ready)} on HTTP http://{host}:{front.port}, gRPC {server.grpc_url} (OpenAI API: "
+          f"http://{host}:{front.port}/v1, metrics: /metrics, requests: docs/serving.md); Ctrl-C stops it", flush=True)
+    supervised = Supervisor(server, metrics, metrics_dir).watch(stop)
+    # The front stays up while the server drains, so that the running streams get their last event.
     print("stopping tritonserver (SIGTERM: the models unload, running requests end)", flush=True)
-    server.stop()
+    try:
+        server.stop()
+    finally:
+        front.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     print("stopped", flush=True)
-    return 0
+    return 0 if supervised else 1
 
 
 def _open_drafters(args: argparse.Namespace, methods: list[str], target: Checkpoint,

@@ -11,6 +11,10 @@ says which request went and after how many tokens.
 
 Independent of Triton: the Python-backend model (triton_model.py) only converts tensors to GenerationRequests
 and ResponseChunks to responses, so this file is tested in-process too.
+
+Metrics (stats.py): every request's outcome, its tokens, time to first token and between tokens, each round's
+committed length and phase times, the queue, the slots and the caches' use; written as a snapshot file that the HTTP
+front exports (`metrics_path`, or none).
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from trtllm_dustin.runtime.build import attention_backend, build_runtime, runtim
 from trtllm_dustin.runtime.decoder import Decoder
 from trtllm_dustin.runtime.inflight import InflightBatcher, SlotRequest, SlotUpdate
 from trtllm_dustin.runtime.methods import METHODS
+from trtllm_dustin.runtime.phase_timer import PhaseTimer
 from trtllm_dustin.runtime.prefix_cache import PrefixCache
 from trtllm_dustin.runtime.sampling import SamplingParams
 from trtllm_dustin.serving.config import ServingConfig
+from trtllm_dustin.serving.stats import ACCEPTED_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS, EngineMetrics, SnapshotWriter
 from trtllm_dustin.serving.text import IncrementalDetokenizer, StopStrings, TextCodec, codec_for
 from trtllm_dustin.validation import HTTP, check_options, check_request_length
 
@@ -72,6 +78,8 @@ class GenerationRequest:
     method: str | None = None  # None = the model's default method
     stream: bool = False  # send text pieces as they are committed (decoupled mode only)
     input_ids: tuple[int, ...] | None = None  # the prompt as token ids instead of `text`
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs, through the model's chat template
+    fit_max_tokens: bool = False  # max_tokens is an upper bound: lowered to what the model holds after the prompt
 
 
 @dataclass
@@ -83,6 +91,7 @@ class RequestStats:
     draft_tokens: int = 0  # drafted for this request: rounds x gamma
     time_to_first_token_ms: float = float("nan")  # from submit (queue wait included) to the first token
     decode_tokens_per_s: float = float("nan")  # tokens after the first / time from the first to the last
+    finish_reason: str = ""  # once finished: "stop" (end of sequence or a stop string) or "length" (max_tokens)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -116,6 +125,7 @@ class _Job:
     number: int = 0  # the engine's request number, for the log
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float = 0.0
+    last_token: float = 0.0  # when the previous piece was committed (inter-token latency)
     slot: int = -1
     text: list[str] = field(default_factory=list)  # non-streaming: pieces so far
     gone: bool = False  # sending to it failed: drop it before the next step
@@ -125,10 +135,14 @@ class ServingEngine:
     """Loads the models once, serves GenerationRequests from a scheduler thread."""
 
     def __init__(self, config: ServingConfig, batchers: dict[str, InflightBatcher], codec: TextCodec,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, metrics_path: str | Path | None = None) -> None:
+        """metrics_path: where the metrics snapshot is written (stats.py); None: kept in `self.metrics` only."""
         self.config, self.batchers, self.codec, self.vocab_size = config, batchers, codec, vocab_size
         self._waiting: deque[_Job] = deque()
         self._running: dict[tuple[str, int], _Job] = {}
+        self.metrics = EngineMetrics()
+        self._set_gauges()
+        self._metrics_writer = None if metrics_path is None else SnapshotWriter(self.metrics, metrics_path)
         self._cv = threading.Condition()
         self._stopping = False
         self._submitted = 0
@@ -139,7 +153,7 @@ class ServingEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: ServingConfig) -> ServingEngine:
+    def from_config(cls, config: ServingConfig, metrics_path: str | Path | None = None) -> ServingEngine:
         served = served_decoders(config)
         def prefix_cache() -> PrefixCache | None:
             mib = config.prefix_cache_mib
@@ -148,7 +162,7 @@ class ServingEngine:
         batchers = {method: InflightBatcher(decoder, served.eos_token_ids, config.prefill_chunk,
                                             config.prefill_budget or None, prefix_cache())
                     for method, decoder in served.decoders.items()}
-        engine = cls(config, batchers, served.codec, served.vocab_size)
+        engine = cls(config, batchers, served.codec, served.vocab_size, metrics_path)
         if served.device.type == "cuda":
             engine.warm_up()
         return engine
@@ -179,25 +193,51 @@ class ServingEngine:
 
         Raises RequestError for a request that cannot run and QueueFullError when the queue is at its bound."""
         method = request.method or self.config.method
+        try:
+            self._queue(self._job(request, method, on_chunk, cancelled))
+        except RequestError:
+            self.refused("invalid", method)
+            raise
+        except QueueFullError:
+            self.refused("rejected", method)
+            raise
+
+    def refused(self, outcome: str, method: str | None = None) -> None:
+        """Count a request refused before it was queued (the model's own checks count theirs here too)."""
+        self.metrics.count("dustin_requests", method=method if method in self.batchers else "unknown",
+                           outcome=outcome)
+
+    def _job(self, request: GenerationRequest, method: str, on_chunk: Callable[[ResponseChunk], None],
+             cancelled: Callable[[], bool] | None) -> _Job:
         if method not in self.batchers:
             raise RequestError(f"method {method!r} is not served by this model; choose one of "
                                f"{', '.join(self.batchers)} (regenerate the repository with --method to serve others)")
         batcher = self.batchers[method]
-        field = "text_input" if request.input_ids is None else "input_ids"
+        field = "input_ids" if request.input_ids is not None else "messages" if request.messages is not None else \
+            "text_input"
+        max_tokens = request.max_tokens
         try:
-            check_options({"max_tokens": request.max_tokens, "temperature": request.temperature,
+            check_options({"max_tokens": max_tokens, "temperature": request.temperature,
                            "top_p": request.top_p, "seed": request.seed}, HTTP)
             if request.stream and not self.config.decoupled:
                 raise RequestError("stream=true needs the decoupled model; regenerate the repository with --decoupled")
-            prompt = self.codec.encode(request.text) if request.input_ids is None else \
-                self._check_ids(request.input_ids)
-            check_request_length(field, len(prompt), request.max_tokens, batcher.gamma, batcher.cache.max_seq_len)
+            if request.input_ids is not None:
+                prompt = self._check_ids(request.input_ids)
+            elif request.messages is not None:
+                prompt = self.codec.encode_chat(request.messages)
+            else:
+                prompt = self.codec.encode(request.text)
+            if request.fit_max_tokens:  # as many as the model holds after the prompt, at most max_tokens
+                max_tokens = max(1, min(max_tokens, batcher.cache.max_seq_len - len(prompt) - batcher.gamma))
+            check_request_length(field, len(prompt), max_tokens, batcher.gamma, batcher.cache.max_seq_len)
         except ValueError as e:  # InputError, or the codec's: a character outside a tokenizer-less vocabulary
             raise RequestError(str(e)) from None
         sampling = SamplingParams(request.temperature, request.top_p, request.seed)
-        slot_request = SlotRequest(tuple(prompt), request.max_tokens, sampling)
-        job = _Job(request, method, slot_request, on_chunk, IncrementalDetokenizer(self.codec),
-                   StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)), cancelled)
+        slot_request = SlotRequest(tuple(prompt), max_tokens, sampling)
+        return _Job(request, method, slot_request, on_chunk, IncrementalDetokenizer(self.codec),
+                    StopStrings(request.stop), RequestStats(prompt_tokens=len(prompt)), cancelled)
+
+    def _queue(self, job: _Job) -> None:
         with self._cv:
             if self._stopping or self._drain_deadline is not None:
                 raise QueueFullError("the server is shutting down; send the request to another instance")
@@ -209,6 +249,7 @@ class ServingEngine:
             self._submitted += 1
             job.number = self._submitted
             self._waiting.append(job)
+            self.metrics.set("dustin_queue_depth", len(self._waiting))
             self._cv.notify()
 
     def _check_ids(self, ids: tuple[int, ...]) -> list[int]:
@@ -226,6 +267,8 @@ class ServingEngine:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._metrics_writer is not None:
+            self._metrics_writer.close()
         for job in [*self._waiting, *self._running.values()]:
             _send(job, ResponseChunk("", True, job.stats, error="the server shut down before the request finished"))
         self._waiting.clear()
@@ -246,15 +289,38 @@ class ServingEngine:
                 self._admit(job)
             for method, batcher in self.batchers.items():
                 if batcher.busy:
+                    timer = PhaseTimer(True, batcher.device)
                     try:
-                        updates = batcher.step()
+                        updates = batcher.step(timer)
                     except Exception as e:  # noqa: BLE001 - reported to every affected client, then serving goes on
                         self._fail_running(method, e)
                         continue
+                    for phase, ms in timer.totals_ms().items():  # after the step's own host sync: no wait here
+                        self.metrics.observe("dustin_phase_seconds", PHASE_BUCKETS, ms / 1e3, method=method,
+                                             phase=phase)
                     for update in updates:
                         job = self._running.get((method, update.slot))
                         if job is not None:  # None: dropped earlier in this step (its client went away)
                             self._deliver(job, update)
+            self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        """The queue, the slots and the caches' use, for the metrics (from the scheduler thread, after each step)."""
+        self.metrics.set("dustin_queue_depth", len(self._waiting))
+        jobs = list(self._running.values())
+        for method, batcher in self.batchers.items():
+            mine = [job for job in jobs if job.method == method]
+            self.metrics.set("dustin_running_slots", batcher.batch_slots - batcher.free_slots, method=method)
+            self.metrics.set("dustin_slots", batcher.batch_slots, method=method)
+            self.metrics.set("dustin_kv_cache_tokens", sum(j.stats.prompt_tokens + j.stats.generated_tokens
+                                                           for j in mine), method=method)
+            self.metrics.set("dustin_kv_cache_capacity_tokens", batcher.batch_slots * batcher.cache.max_seq_len,
+                             method=method)
+            cache = batcher.prefix_cache
+            self.metrics.set("dustin_prefix_cache_bytes", cache.nbytes if cache else 0, method=method)
+            self.metrics.set("dustin_prefix_cache_capacity_bytes", cache.max_bytes if cache else 0, method=method)
+            self.metrics.set("dustin_prefix_cache_reused_tokens", cache.reused_tokens if cache else 0,
+                             method=method)
 
     def _drain(self) -> None:
         """When the launcher says the server is stopping (DRAIN_FILE_ENV): refuse what waits, give the running requests
@@ -271,6 +337,7 @@ class ServingEngine:
             print(f"dustin: the server is stopping: {len(self._running)} running request(s) get {grace:.0f} s to "
                   f"finish, {len(self._waiting)} waiting one(s) are refused", file=sys.stderr, flush=True)
             for job in self._waiting:
+                self._finished(job, "error")
                 _send(job, ResponseChunk("", True, job.stats, error="the server is shutting down; the request was not "
                                          "started, send it to another instance"))
             self._waiting.clear()
@@ -321,8 +388,10 @@ class ServingEngine:
         except Exception as e:  # noqa: BLE001 - the client gets the error; other requests are unaffected
             print(f"dustin: request {job.number} ({job.method}): prefill failed: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
+            self._finished(job, "error")
             _send(job, ResponseChunk("", True, job.stats, error=f"prefill failed: {type(e).__name__}: {e}"))
             return
+        self.metrics.count("dustin_prompt_tokens", job.stats.prompt_tokens, method=job.method)
         job.slot = slot
         self._running[(job.method, slot)] = job
         if update is not None:  # a prompt of one prefill chunk: its first token is here (longer ones: from step())
@@ -335,6 +404,7 @@ class ServingEngine:
 
     def _end(self, job: _Job, chunk: ResponseChunk, quiet: bool = False) -> None:
         """A job leaves before it finished (cancelled, cut, failed): forget it, free its slot, send its final chunk."""
+        self._finished(job, "cancelled" if chunk.cancelled else "error")
         if job in self._waiting:
             self._waiting.remove(job)
         elif self._running.get((job.method, job.slot)) is job:
@@ -348,16 +418,27 @@ class ServingEngine:
         except Exception:  # noqa: BLE001 - its connection is already closed
             pass
 
+    def _finished(self, job: _Job, outcome: str) -> None:
+        self.metrics.count("dustin_requests", method=job.method, outcome=outcome)
+
     def _deliver(self, job: _Job, update: SlotUpdate) -> None:
-        stats = job.stats
+        stats, method, now = job.stats, job.method, time.perf_counter()
         if update.first:
-            job.first_token = time.perf_counter()
+            job.first_token = now
             stats.time_to_first_token_ms = (job.first_token - job.submitted) * 1e3
+            self.metrics.observe("dustin_time_to_first_token_seconds", LATENCY_BUCKETS, now - job.submitted,
+                                 method=method)
+        elif update.tokens:  # a round's tokens arrive together: each gets an equal share of the wait
+            self.metrics.observe("dustin_inter_token_latency_seconds", LATENCY_BUCKETS,
+                                 (now - job.last_token) / len(update.tokens), len(update.tokens), method=method)
+        job.last_token = now
         stats.generated_tokens += len(update.tokens)
+        self.metrics.count("dustin_generated_tokens", len(update.tokens), method=method)
         if not update.first:
             stats.rounds += 1
             stats.accepted_draft_tokens += update.accepted
             stats.draft_tokens += self.batchers[job.method].gamma
+            self.metrics.observe("dustin_accepted_length", ACCEPTED_BUCKETS, update.accepted + 1, method=method)
         if stats.generated_tokens > 1:
             elapsed = time.perf_counter() - job.first_token
             stats.decode_tokens_per_s = (stats.generated_tokens - 1) / elapsed if elapsed > 0 else float("nan")
@@ -366,8 +447,12 @@ class ServingEngine:
         if job.stops.stopped and not done:  # a stop string ended it early: flush nothing more, free the slot
             done = True
         if done:
+            stats.finish_reason = "stop" if job.stops.stopped or \
+                stats.generated_tokens < job.slot_request.max_new_tokens else "length"
+        if done:
             self.batchers[job.method].release(job.slot)
             del self._running[(job.method, job.slot)]
+            self._finished(job, "ok")
         if job.request.stream:
             if text or done:
                 job.gone = not _send(job, ResponseChunk(text, done, stats)) and not done

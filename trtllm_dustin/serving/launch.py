@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from trtllm_dustin.serving.stats import METRICS_DIR_ENV
+
 __all__ = ["ServerError", "TritonServer", "check_endpoints", "free_port", "prepare_pytriton_server",
            "processes_in_group", "pytriton_distribution"]
 
@@ -144,7 +146,8 @@ class TritonServer:
     def __init__(self, repository: str | Path, server_dir: str | Path, log_path: str | Path,
                  python_env: str | Path = sys.prefix, start_timeout_s: float = 180.0, stop_timeout_s: float = 60.0,
                  exit_timeout_s: float = 20.0, extra_args: tuple[str, ...] = (), address: str = "127.0.0.1",
-                 http_port: int = 0, grpc_port: int = 0, keep_going: bool = False) -> None:
+                 http_port: int = 0, grpc_port: int = 0, keep_going: bool = False, http_address: str | None = None,
+                 metrics_dir: str | Path | None = None) -> None:
         self.repository, self.server_dir = Path(repository).resolve(), Path(server_dir).resolve()
         self.log_path, self.python_env = Path(log_path), Path(python_env)
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
@@ -152,6 +155,9 @@ class TritonServer:
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
         self.address = address  # the interface both endpoints bind (127.0.0.1: this machine only)
+        # HTTP's own interface, when not `address`: serve keeps it on 127.0.0.1 behind its front (front.py)
+        self.http_address = http_address or address
+        self.metrics_dir = metrics_dir  # where the engines write their metrics snapshots (stats.py); None: nowhere
         self.requested_ports = (http_port, grpc_port)  # 0: an ephemeral port, picked at start
         self.http_port = self.grpc_port = 0
         # keep_going: a model that fails to load leaves the server serving the others (model_states() says which
@@ -168,7 +174,8 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        host = "127.0.0.1" if self.http_address in ("0.0.0.0", "::") else self.http_address
+        return f"{host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -191,13 +198,15 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = ":".join(p for p in paths if p)
         env["PATH"] = f"{self.python_env / 'bin'}:{env.get('PATH', '')}"
         env["TRTLLM_DUSTIN_DRAIN_FILE"] = str(self.drain_file)  # serving/engine.py DRAIN_FILE_ENV
+        if self.metrics_dir is not None:
+            env[METRICS_DIR_ENV] = str(self.metrics_dir)
         return env
 
     def command(self) -> list[str]:
         return [str(self.server_dir / "bin" / "tritonserver"), "--model-repository", str(self.repository),
                 "--backend-directory", str(self.server_dir / "backends"),
                 "--cache-directory", str(self.server_dir / "caches"),
-                "--http-address", self.address, "--http-port", str(self.http_port),
+                "--http-address", self.http_address, "--http-port", str(self.http_port),
                 "--grpc-address", self.address, "--grpc-port", str(self.grpc_port),
                 "--allow-metrics", "false", "--exit-on-error", str(not self.keep_going).lower(),
                 "--strict-readiness", str(not self.keep_going).lower(),
@@ -206,6 +215,7 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         self.http_port, self.grpc_port = (port or free_port() for port in self.requested_ports)
+        self.requested_ports = (self.http_port, self.grpc_port)  # a restart comes back where clients know it
         self.drain_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

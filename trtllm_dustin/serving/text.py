@@ -11,6 +11,11 @@ __all__ = ["CodepointCodec", "IncrementalDetokenizer", "StopStrings", "TextCodec
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """(role, content) pairs through the model's chat template, ending with the assistant's turn's opening;
+        ValueError when the model has none."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -31,6 +36,10 @@ class CodepointCodec:
                              f"{self.vocab_size}); send only such characters")
         return ids
 
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        raise ValueError("this model has no tokenizer and so no chat template; send the prompt as text (the OpenAI "
+                         "API's /v1/completions, or text_input)")
+
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(chr(i) for i in ids)
 
@@ -48,6 +57,14 @@ class TokenizerCodec:
                                                            add_generation_prompt=True, tokenize=True,
                                                            return_dict=False))
         return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send the prompt as text (the OpenAI API's "
+                             "/v1/completions, or text_input)")
+        return list(self.tokenizer.apply_chat_template([{"role": role, "content": content}
+                                                        for role, content in messages],
+                                                       add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_dustin.serving.config import ServingConfig
+from trtllm_dustin.serving.stats import METRICS_DIR_ENV
 
 __all__ = ["INPUTS", "OUTPUTS", "TritonPythonModel"]
 
@@ -30,7 +32,9 @@ __all__ = ["INPUTS", "OUTPUTS", "TritonPythonModel"]
 INPUTS: dict[str, tuple[str, list[int], bool]] = {
     "text_input": ("TYPE_STRING", [1], True),
     "input_ids": ("TYPE_INT32", [-1], True),
+    "messages": ("TYPE_STRING", [1], True),  # a chat: JSON [{"role": ..., "content": ...}], the model's chat template
     "max_tokens": ("TYPE_INT32", [1], False),
+    "fit_max_tokens": ("TYPE_BOOL", [1], True),  # true: max_tokens is lowered to what fits after the prompt
     "temperature": ("TYPE_FP32", [1], True),
     "top_p": ("TYPE_FP32", [1], True),
     "seed": ("TYPE_INT64", [1], True),
@@ -54,6 +58,7 @@ OUTPUTS: dict[str, tuple[str, Any, list[int], str | None]] = {
     "total_draft_tokens": ("TYPE_INT32", np.int32, [1], "draft_tokens"),
     "time_to_first_token_ms": ("TYPE_FP32", np.float32, [1], "time_to_first_token_ms"),
     "decode_tokens_per_s": ("TYPE_FP32", np.float32, [1], "decode_tokens_per_s"),
+    "finish_reason": ("TYPE_STRING", np.object_, [1], "finish_reason"),
 }
 
 
@@ -67,7 +72,10 @@ class TritonPythonModel:
         config = ServingConfig.load(Path(args["model_repository"]) / args["model_version"] / "serving_config.json")
         from trtllm_dustin.serving.engine import ServingEngine
 
-        self.engine = ServingEngine.from_config(config.with_(decoupled=self.decoupled))
+        metrics_dir = os.environ.get(METRICS_DIR_ENV)  # set by the launcher: the HTTP front exports the snapshot
+        self.engine = ServingEngine.from_config(
+            config.with_(decoupled=self.decoupled),
+            None if not metrics_dir else Path(metrics_dir) / f"{args['model_name']}.json")
         self.timeout_s = config.request_timeout_s
         # Named TRITONSERVER_RESPONSE_COMPLETE_FINAL in the Python backend of nvidia-pytriton 0.7.0 (Triton 2.5x),
         # TRITONSERVER_RESPONSE_COMPLETE_FINAL_FLAG in other releases; both are 1.
@@ -113,7 +121,13 @@ class TritonPythonModel:
         # The client closed its stream or its connection (decoupled: the sender knows; otherwise the request).
         cancelled = getattr(sender if sender is not None else request, "is_cancelled", None)
         try:
-            self.engine.submit(_parse(request, self.pb), on_chunk, cancelled)
+            parsed = _parse(request, self.pb)
+        except RequestError as e:
+            self.engine.refused("invalid")
+            reply(self._error(str(e), "INVALID_ARG"), True)
+            return
+        try:
+            self.engine.submit(parsed, on_chunk, cancelled)
         except RequestError as e:
             reply(self._error(str(e), "INVALID_ARG"), True)
         except QueueFullError as e:
@@ -126,6 +140,8 @@ class TritonPythonModel:
                 value = getattr(chunk.stats, attr)
                 if isinstance(value, float) and not math.isfinite(value):
                     value = 0.0  # not known yet (no round, one token): 0, so that the generate endpoints' JSON parses
+                if isinstance(value, str):
+                    value = value.encode("utf-8")
                 tensors.append(self.pb.Tensor(name, np.array([[value]], dtype=np_type)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
@@ -175,9 +191,11 @@ def _parse(request: Any, pb_utils: Any) -> Any:
                            f"{', '.join(INPUTS)}")
     text = _scalar(request, pb_utils, "text_input")
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    messages = _scalar(request, pb_utils, "messages")
     max_tokens = _scalar(request, pb_utils, "max_tokens")
-    if (text is None) == (ids_tensor is None):
-        raise RequestError("send exactly one of text_input (BYTES) and input_ids (INT32 token ids)")
+    if (text is None) + (ids_tensor is None) + (messages is None) != 2:
+        raise RequestError("send exactly one of text_input (BYTES), input_ids (INT32 token ids) and messages (BYTES: "
+                           "a JSON chat)")
     if max_tokens is None:
         raise RequestError("max_tokens (INT32) is required")
     input_ids = None if ids_tensor is None else tuple(int(i) for i in ids_tensor.as_numpy().reshape(-1))
@@ -197,6 +215,24 @@ def _parse(request: Any, pb_utils: Any) -> Any:
     method = _scalar(request, pb_utils, "method")
     return GenerationRequest(
         text="" if text is None else _text(text, "text_input"), input_ids=input_ids, max_tokens=int(max_tokens),
+        messages=None if messages is None else _chat(_text(messages, "messages")),
+        fit_max_tokens=bool(_scalar(request, pb_utils, "fit_max_tokens", False)),
         temperature=temperature, top_p=top_p, seed=seed,
         stop=stop, method=None if method is None else _text(method, "method"),
         stream=bool(_scalar(request, pb_utils, "stream", False)))
+
+
+def _chat(text: str) -> tuple[tuple[str, str], ...]:
+    """The `messages` input: a JSON list of {"role": str, "content": str} objects -> (role, content) pairs."""
+    from trtllm_dustin.serving.engine import RequestError
+
+    try:
+        chat = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"messages is not JSON ({type(e).__name__}: {e}); send a JSON list of "
+                           '{"role": ..., "content": ...} objects') from None
+    if not isinstance(chat, list) or not chat or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in chat):
+        raise RequestError('messages must be a non-empty JSON list of {"role": str, "content": str} objects')
+    return tuple((m["role"], m["content"]) for m in chat)
