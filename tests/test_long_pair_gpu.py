@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trtllm_dustin.models.fetch import fetched_path
+from trtllm_dustin.fetch import fetched_path
 
 PROMPT, FORCED = 30_000, 32
 MEAN_ABS_TOL = 0.25  # mean |logit difference| over the 32 positions x vocabulary

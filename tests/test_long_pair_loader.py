@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from trtllm_dustin.models.fetch import fetched_path
+from trtllm_dustin.fetch import fetched_path
 from trtllm_dustin.models.gguf import GGUFFile
 
 TYPES = (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)

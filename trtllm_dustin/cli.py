@@ -167,7 +167,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser, methods: Sequence[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trtllm_dustin.models.fetch import add_fetch_command
+    from trtllm_dustin.fetch import add_fetch_command
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.quantize import DRAFTER_WEIGHTS
     from trtllm_dustin.models.ring_drafter import DEFAULT_RING
@@ -1200,8 +1200,8 @@ def _repository_models(args: argparse.Namespace
     config."""
     import torch
 
+    from trtllm_dustin.fetch import FETCHABLE
     from trtllm_dustin.kv_cache import KVCache, check_fits
-    from trtllm_dustin.models.fetch import FETCHABLE
     from trtllm_dustin.models.longspark import DEFAULT_LONGSPARK
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
     from trtllm_dustin.models.ring_drafter import DEFAULT_RING, ring_weight_bytes

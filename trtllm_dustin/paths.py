@@ -113,8 +113,8 @@ def _option(dest: str) -> str:
 
 def check_model_path(option: str, spec: str) -> None:
     """A model named by a path exists as a checkpoint directory or a .gguf file (names and presets: open_model)."""
+    from trtllm_dustin.fetch import FETCHABLE, fetched_path
     from trtllm_dustin.models.errors import ModelLoadError
-    from trtllm_dustin.models.fetch import FETCHABLE, fetched_path
     from trtllm_dustin.models.packaged import DEFAULT_DRAFT, DEFAULT_MODEL
 
     if spec in (DEFAULT_MODEL, DEFAULT_DRAFT) or spec.startswith("preset:"):

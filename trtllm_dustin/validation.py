@@ -149,6 +149,8 @@ RANGES: dict[str, Range] = {
     # serve
     "http_port": _PORT, "grpc_port": _PORT, "start_timeout": _SECONDS,
     "drain": Range(0, 3600, real=True, why="seconds the running requests get to finish at stop"),
+    "max_body_bytes": Range(1024, 2**30, why="bytes of an HTTP body the front reads"),
+    "max_json_depth": Range(4, 10_000, why="JSON nesting of an HTTP body (an OpenAI chat request nests 4 deep)"),
     # prepare-distill-data, regenerate-data, train-draft, train-longspark, train-ring-drafter
     "seq_len": _POSITIVE, "max_windows": _POSITIVE, "context": _POSITIVE, "new": _POSITIVE,
     "position_decay": Range(0, 1, real=True, open_low=True, why="draft slot g's loss weight is this ** g; 1: alike"),

@@ -27,7 +27,7 @@ step readme-build "$A trtllm-dustin build --out engines/smollm2 --draft smollm2-
 step readme-generate-engine "$A trtllm-dustin generate --engine engines/smollm2 --method dustin-ip-sparse-draft"
 step readme-triton-repo "$A trtllm-dustin triton-repo --out models --method dustin-ip-sparse-draft classic vanilla"
 served readme-serve-curl "trtllm-dustin serve --repo models" \
-  "curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}'"
+  "curl -s 127.0.0.1:8000/v1/chat/completions -d '{\"model\": \"dustin\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 12, \"temperature\": 0}' && echo && curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}'"
 
 step readme-generate-ip-ring "$A trtllm-dustin generate --method dustin-ip-ring --gamma 5 --draft-weights int8"
 step cli-generate-ring "$A trtllm-dustin generate --method ring --gamma 7"
@@ -79,6 +79,20 @@ step serving-repo-tiny "$A trtllm-dustin triton-repo --out models --model preset
 step serving-repo-default "$A trtllm-dustin triton-repo --out models --method dustin-h vanilla"
 served serving-serve-curls "trtllm-dustin serve --repo models" \
   "curl -s -X POST 127.0.0.1:8000/v2/models/dustin/generate -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12}' && echo && curl -s -N -X POST 127.0.0.1:8000/v2/models/dustin/generate_stream -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 12, \"stream\": true, \"method\": \"vanilla\"}' | tail -3"
+cat > openai_client.py <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+answer = client.chat.completions.create(model="dustin", messages=[{"role": "user", "content": "Hello!"}],
+                                        max_tokens=32, temperature=0)
+print(answer.choices[0].message.content, answer.usage)
+for chunk in client.completions.create(model="dustin:vanilla", prompt="Once upon a time", max_tokens=32, stream=True):
+    print(chunk.choices[0].text, end="", flush=True)
+PY
+served serving-openai "trtllm-dustin serve --repo models" \
+  "curl -s 127.0.0.1:8000/v1/chat/completions -d '{\"model\": \"dustin\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 12, \"temperature\": 0}' && echo && curl -s -N 127.0.0.1:8000/v1/completions -d '{\"model\": \"dustin:vanilla\", \"prompt\": \"The capital of France is\", \"max_tokens\": 8, \"temperature\": 0, \"stream\": true, \"stream_options\": {\"include_usage\": true}}' | tail -3 && curl -s 127.0.0.1:8000/v1/models && echo && python openai_client.py && echo && curl -s 127.0.0.1:8000/metrics | grep -c '^dustin_'"
+# docs/long_context.md: the pair fetched into the clone's own cache (timed), then its generate command
+step long-fetch "$A export TRTLLM_DUSTIN_MODEL_DIR=\$PWD/model-cache && time trtllm-dustin fetch-model qwen2.5-coder-1.5b qwen2.5-coder-0.5b"
+step long-generate "$A export TRTLLM_DUSTIN_MODEL_DIR=\$PWD/model-cache && trtllm-dustin generate --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --method dustin-ip-sparse-draft --dustin-config trtllm_dustin/weights/qwen_coder/dustin.json"
 step serving-pip "$A python -m pip install -q --no-deps nvidia-pytriton==0.7.0 && python -m pip install -q \"tritonclient[http,grpc]==2.73.0\" && python -m pip install -q --no-deps --target \"\$VIRTUAL_ENV/triton-site\" numpy==1.26.4"
 cat > byhand.sh <<'SH'
 . .venv/bin/activate   # with the three pip lines above

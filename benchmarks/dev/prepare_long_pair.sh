@@ -23,7 +23,7 @@ cd "$(dirname "$0")/../.."
 exclude=.git/info/exclude
 PIECE=66060288  # 63 MiB: a call carries at most 64 MiB
 
-path() { python -c "from trtllm_dustin.models.fetch import fetched_path; print(fetched_path('$1'))"; }
+path() { python -c "from trtllm_dustin.fetch import fetched_path; print(fetched_path('$1'))"; }
 
 case "${1:-}" in
 inputs)

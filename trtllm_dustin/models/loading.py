@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from trtllm_dustin.config import HF_HEAD_KEY, ConfigError, ModelConfig
+from trtllm_dustin.fetch import FETCHABLE, fetched_path
 from trtllm_dustin.kv_cache import check_fits
 from trtllm_dustin.models.decoder import Transformer
 from trtllm_dustin.models.errors import ModelLoadError
-from trtllm_dustin.models.fetch import FETCHABLE, fetched_path
 from trtllm_dustin.models.packaged import (
     DEFAULT_DRAFT,
     DEFAULT_MODEL,
@@ -357,7 +357,7 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 def open_model(spec: str | None = None, seed: int = 0, option: str = "--model") -> Checkpoint:
     """Open `spec` without reading its weights: None (the embedded SmolLM2 default), "smollm2-draft" (its packaged
-    draft), a fetched model's name (`trtllm-dustin fetch-model`, models/fetch.py), "preset:NAME" (random weights
+    draft), a fetched model's name (`trtllm-dustin fetch-model`, trtllm_dustin/fetch.py), "preset:NAME" (random weights
     from `seed`), a checkpoint directory or a .gguf file. option: the command line option that named it, for the
     messages."""
     spec = spec or DEFAULT_MODEL
