@@ -129,3 +129,19 @@ def test_triton_repo_names_its_own_flags_when_the_model_does_not_fit(tmp_path, m
             "device") in err
     assert "--batch-size" not in err
     assert not out.exists()
+
+
+def test_cuda_memory_counts_the_allocators_cached_blocks_as_free(monkeypatch) -> None:
+    """Blocks torch's caching allocator keeps after a tensor is freed are reusable: available_memory adds them to what
+    the driver reports free, so freeing one batch's caches before the next does not shrink the plan's budget."""
+    import torch
+
+    from trtllm_dustin import kv_cache
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 << 30)
+    assert kv_cache.available_memory(torch.device("cuda")) == (3 + 10 - 4) << 30
+    kv_cache.check_fits("a cache", 8 << 30, torch.device("cuda"))  # 8 GiB <= 90 % of 9 GiB
+    with pytest.raises(kv_cache.MemoryPlanError, match="needs 8.50 GiB but only 9.00 GiB is free"):
+        kv_cache.check_fits("a cache", int(8.5 * 2**30), torch.device("cuda"))

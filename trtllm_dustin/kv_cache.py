@@ -34,10 +34,14 @@ class MemoryPlanError(RuntimeError):
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device` (free device memory, or available host RAM)."""
+    """Bytes that can still be allocated on `device` (free device memory, or available host RAM).
+
+    On CUDA, the blocks torch's caching allocator holds but no tensor uses count as free: the driver reports them as
+    taken, and a process that frees one batch's caches before allocating the next would otherwise see its free memory
+    shrink batch after batch."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type == "meta":
         return 1 << 62
     try:
