@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-PRIMARY = {"books": "accuracy", "code": "exact_match", "needle": "string_match", "vt": "string_match",
-           "qa": "string_match_part", "needle-new": "string_match"}
+PRIMARY = {"books": "accuracy", "code": "exact_match", "repo-code": "exact_match", "needle": "string_match",
+           "vt": "string_match", "qa": "string_match_part", "needle-new": "string_match"}
 DOABLE = 20.0  # a task FullKV scores under this (x 100) is reported, not counted in the task mean
 RESAMPLES = 4000
 

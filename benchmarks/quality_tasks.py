@@ -10,6 +10,9 @@
           the fraction of the expected values present in the output
   vt      RULER-style variable tracking: a chain VAR A = 12345, VAR B = A, ... hidden in essays; the score is the
           fraction of the chain's variable names present in the output
+  repo-code  repository-level code completion: the test split's stdlib files as one repository, the target file's
+          prefix after its package's other files and then the rest, cut to `context` tokens; the next line, scored as
+          code (enough samples at 16K and 32K, where single files run out); only when --tasks names it
   needle-new  the needle task with another wording (locker combinations of places) in another haystack (Debian's
           fortune cookies): a generalisation check, never read by the search; only when --tasks names it
   qa      RULER-style question answering (its qa_1 / qa_2), SQuAD v2.0 dev and HotpotQA dev (distractor setting) as
@@ -129,6 +132,57 @@ def code_samples(tokenizer: Any, context: int, count: int, seed: int) -> list[Sa
         found.append(Sample("code", f"{doc.doc_id}:{i + 1}", prefix[-context:], references=[lines[i]]))
         if len(found) == count:
             break
+    return found
+
+
+def repo_code_samples(tokenizer: Any, context: int, count: int, seed: int) -> list[Sample]:
+    """Repository-level completion: the test split's stdlib files read as one repository. Per target file (seeded
+    order; a second pass takes another line of each when `count` exceeds the files), a line with >= 12 non-blank
+    characters past the file's first quarter; the prompt is the target file up to the line before, after the other
+    files of its package and then of the rest of the repository (seeded order), each under a `# file: PATH` header,
+    cut to its last `context` tokens (the nearest files survive the cut). The answer is the next line, scored as code.
+    Samples are kind "code" so that `score` treats them as code; the evaluation files them under "repo-code"."""
+    from trtllm_dustin.data import final_report_documents
+
+    rng = random.Random(seed)
+    docs = sorted(final_report_documents(CODE_SOURCES), key=lambda d: d.doc_id)
+    encoded: dict[str, list[int]] = {}
+
+    def tokens(doc) -> list[int]:
+        if doc.doc_id not in encoded:
+            encoded[doc.doc_id] = _encode(tokenizer, f"# file: {doc.doc_id}\n{doc.text}\n")
+        return encoded[doc.doc_id]
+
+    order = docs[:]
+    rng.shuffle(order)
+    found, taken = [], set()
+    for _ in range(2):
+        for target in order:
+            lines = target.text.split("\n")
+            offsets, position = [], 0
+            for line in lines:
+                offsets.append(position)
+                position += len(line) + 1
+            candidates = [i for i, line in enumerate(lines) if i > 0 and offsets[i] > len(target.text) // 4
+                          and len(line.strip()) >= 12 and (target.doc_id, i) not in taken]
+            if not candidates:
+                continue
+            i = rng.choice(candidates)
+            prompt = _encode(tokenizer, f"# file: {target.doc_id}\n{target.text[: offsets[i] - 1]}")
+            package = target.doc_id.rsplit("/", 1)[0]
+            near = [d for d in order if d is not target and d.doc_id.rsplit("/", 1)[0] == package]
+            far = [d for d in order if d is not target and d.doc_id.rsplit("/", 1)[0] != package]
+            for other in near + far:  # nearest first: each one goes before what is there
+                if len(prompt) >= context:
+                    break
+                prompt = tokens(other) + prompt
+            if len(prompt) < context:
+                continue  # the whole repository is shorter than the context
+            taken.add((target.doc_id, i))
+            found.append(Sample("code", f"{target.doc_id}:{i + 1}", prompt[-context:], references=[lines[i]],
+                                kind="repo"))
+            if len(found) == count:
+                return found
     return found
 
 
@@ -437,7 +491,7 @@ def build_samples(task: str, tokenizer: Any, context: int, count: int, new_token
 
 TASKS: dict[str, Callable[..., list[Sample]]] = {"books": book_samples, "code": code_samples,
                                                  "needle": needle_samples, "vt": vt_samples, "qa": qa_samples,
-                                                 "needle-new": needle_new_samples}
+                                                 "needle-new": needle_new_samples, "repo-code": repo_code_samples}
 DEFAULT_TASKS = ("books", "code", "needle", "vt", "qa")  # needle-new (generalisation) only when asked for
 
 

@@ -94,7 +94,7 @@ b)
     || echo "e2e: deadline"
   gunzip -c "$S/qwen_tasks.json.gz" > "$S/qwen_tasks.json"
   timeout 220 python3 eval_quality.py --target $TARGET --draft $DRAFT --tasks-file "$S/qwen_tasks.json" \
-    --contexts 32000 16384 --samples 60 --batch-size 20 --tasks needle vt needle-new books code \
+    --contexts 32000 16384 --samples 60 --batch-size 10 --tasks needle vt needle-new repo-code books code \
     --methods classic dustin-ip-sparse-draft --budgets 2048 4096 --m-sweep --dustin-config "$CONFIG" \
     --out "$R/quality_long_pair.json" 2>&1 | grep -vE "^\s*$" | tail -30 || echo "quality: deadline"
   cd ..

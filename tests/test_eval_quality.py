@@ -285,3 +285,30 @@ def test_the_record_names_the_commit_and_date_the_run_started_from(monkeypatch, 
     record = json.loads(out.read_text())
     assert len(calls) == 2 and record["git_sha"] == "sha1" and record["date"] == "date1"
     assert record["summary"] and out.with_suffix(".md").exists()
+
+
+@pytest.mark.parametrize("context", [1024, 8192])
+def test_repo_code_fills_the_context_with_the_repository_and_ends_before_the_line(qa_tokenizer, context: int) -> None:
+    """Repository-level code: every prompt is exactly `context` tokens, ends where the reference line starts (the line
+    before, without its newline), has other files' text before the target file's header; samples are distinct
+    test-split lines, reproducible from the seed and scored as code."""
+    from trtllm_dustin.data import final_report_documents
+
+    texts = {d.doc_id: d.text for d in final_report_documents(quality_tasks.CODE_SOURCES)}
+    samples = quality_tasks.build_samples("repo-code", qa_tokenizer, context, 12, 16, seed=context)
+    assert len(samples) == 12 and len({s.sample_id for s in samples}) == 12
+    for sample in samples:
+        doc_id, line_no = sample.sample_id.rsplit(":", 1)
+        assert doc_id in texts and sample.task == "code" and len(sample.prompt) == context  # a test-split file
+        lines = texts[doc_id].split("\n")
+        line = int(line_no) - 1
+        assert sample.references == [lines[line]] and len(lines[line].strip()) >= 12
+        text = qa_tokenizer.decode(sample.prompt)
+        assert text.endswith("\n".join(lines[:line])[-200:])  # the target's own prefix, up to the line before
+        header = f"# file: {doc_id}\n"
+        # the target's header is there, after other files' text, unless the target's own prefix fills the context
+        assert (header in text and text.index(header) > 0) or "# file: " not in text
+    if context == 8192:  # whole files between the cut and the target
+        assert any(qa_tokenizer.decode(s.prompt).count("# file: ") >= 2 for s in samples)
+    assert quality_tasks.build_samples("repo-code", qa_tokenizer, context, 12, 16, seed=context) == samples
+    assert quality_tasks.score(samples[0], "\n" + samples[0].references[0] + "\nmore")["exact_match"] == 1.0

@@ -33,7 +33,7 @@ inputs)
     --keep-tokens 100000 --device cpu | tail -1
   if [ ! -f .carry/qwen_tasks.json.gz ]; then
     (cd benchmarks && python eval_quality.py --target $T --save-tasks ../.carry/qwen_tasks.json --device cpu \
-      --contexts 8192 16384 32000 --samples 60 --new-tokens 64 --tasks books code needle vt needle-new | tail -1)
+      --contexts 8192 16384 32000 --samples 60 --new-tokens 64 --tasks books code repo-code needle vt needle-new | tail -1)
     gzip -f .carry/qwen_tasks.json
   fi
   python - <<'PY'
