@@ -30,8 +30,8 @@ def paired_interval(diffs: np.ndarray, seed: int = 0) -> tuple[float, float]:
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def collect(paths: list[Path]) -> dict:
-    """(task, context, method key) -> {sample id: per-sample metrics}, plus committed histograms per cell."""
+def collect(paths: list[Path]) -> tuple[dict, dict]:
+    """(task, context, method key) -> {sample id: per-sample metrics}, and -> the cell's summed committed histogram."""
     scores: dict = defaultdict(dict)
     hists: dict = defaultdict(lambda: None)
     for path in paths:

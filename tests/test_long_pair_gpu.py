@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.models import fetched
 
 from trtllm_dustin.fetch import fetched_path
 
@@ -25,16 +26,9 @@ MEAN_ABS_TOL = 0.25  # mean |logit difference| over the 32 positions x vocabular
 TOP1_MIN = 30  # of 32 teacher-forced positions
 
 
-def _fetched() -> bool:
-    try:
-        fetched_path("qwen2.5-coder-1.5b")
-    except Exception:
-        return False
-    return True
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.skipif(not _fetched(), reason="needs `trtllm-dustin fetch-model qwen2.5-coder-1.5b`")]
+              pytest.mark.skipif(fetched("qwen2.5-coder-1.5b") is None,
+                                 reason="needs `trtllm-dustin fetch-model qwen2.5-coder-1.5b`")]
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers.models import fetched
 
-from trtllm_dustin.fetch import fetched_path
 from trtllm_dustin.models.gguf import GGUFFile
 
 TYPES = (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)
@@ -126,14 +126,7 @@ def test_rotary_tables_at_32768_positions_equal_transformers_qwen2() -> None:
 
 
 # ---- the real files, where fetched ------------------------------------------------------------------------------
-def _fetched(name: str) -> Path | None:
-    try:
-        return fetched_path(name)
-    except Exception:
-        return None
-
-
-REAL = {name: _fetched(name) for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
+REAL = {name: fetched(name) for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
 needs_pair = pytest.mark.skipif(not all(REAL.values()), reason="needs `trtllm-dustin fetch-model` of the long pair")
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers.serving import wait_ready
 
 from trtllm_dustin.cli import main
 from trtllm_dustin.models.loading import default_gguf_path
@@ -106,14 +107,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
                                 "--log", str(log), "--drain", "2"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     references = {"chat": _generate(CHAT, chat=True), "completion": _generate(PROMPT, chat=False)}
-    lines: list[str] = []
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        assert line, "serve exited before it was ready:\n" + "".join(lines)
-        lines.append(line)
-        if line.startswith("ready:"):
-            break
+    line, lines = wait_ready(process)
     server = Served(process, "http://" + line.split("HTTP http://")[1].split(",")[0], lines, log, references)
     yield server
     if process.poll() is None:

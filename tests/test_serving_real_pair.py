@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.registry import OFFERED
-from helpers.serving import reference_kernels
+from helpers.serving import reference_kernels, wait_ready
 
 from trtllm_dustin.cli import main
 from trtllm_dustin.runtime.generation import GenerationConfig
@@ -89,14 +89,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, smollm2):
                                 "--http-port", "0", "--grpc-port", "0", "--server-dir", str(root / "server"),
                                 "--log", str(log), "--drain", "2"],  # 2 s: the last test's stream is cut, not done
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        assert line, "serve exited before it was ready:\n" + "".join(lines)
-        lines.append(line)
-        if line.startswith("ready:"):
-            break
+    line, lines = wait_ready(process)
     http = line.split("HTTP http://")[1].split(",")[0]
     grpc = line.split("gRPC ")[1].split(" ")[0]
     server = Served(process, lines, http, grpc, log, ServingConfig.load(repo / "dustin" / "1" / "serving_config.json"),

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-__all__ = ["DEVICES", "tiny_hf_model", "vanilla_decoder"]
+__all__ = ["DEVICES", "fetched", "tiny_hf_model", "vanilla_decoder"]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -44,3 +46,13 @@ def tiny_hf_model(arch: str, seed: int = 0):
                 p.mul_(4.0)
     return model.eval()
 
+
+def fetched(name: str) -> Path | None:
+    """The GGUF of a fetchable model where `trtllm-dustin fetch-model` has put it, else None (CI never fetches)."""
+    from trtllm_dustin.fetch import fetched_path
+    from trtllm_dustin.models.errors import ModelLoadError
+
+    try:
+        return fetched_path(name)
+    except ModelLoadError:
+        return None

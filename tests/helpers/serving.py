@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -155,3 +157,17 @@ def run_requests(engine: ServingEngine, requests: list[GenerationRequest], timeo
     for event in done:
         assert event.wait(timeout_s), "a request did not finish"
     return chunks
+
+
+def wait_ready(process: subprocess.Popen, timeout_s: float = 900) -> tuple[str, list[str]]:
+    """Read `trtllm-dustin serve`'s output until its "ready:" line; returns that line and every line read (what the
+    failure shows when serve exits first or never gets ready)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        assert line, "serve exited before it was ready:\n" + "".join(lines)
+        lines.append(line)
+        if line.startswith("ready:"):
+            return line, lines
+    raise AssertionError(f"serve was not ready within {timeout_s:.0f} s:\n" + "".join(lines))
